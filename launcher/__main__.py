@@ -1,0 +1,5 @@
+"""``python -m launcher`` is ``ftlaunch``."""
+
+from launcher.cli import main
+
+main()

@@ -1,0 +1,266 @@
+"""The agent: one per node. Joins the job, runs this node's ranks, acts on the coordinator's word.
+
+The whole agent is one poll loop over its control socket, the rank pidfds, the rank output
+pipes and a signal wake-up pipe: nothing is polled on a timer, every event is handled the
+moment it happens. The coordinator decides; the agent reports and obeys.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import zmq
+
+from launcher import UsageError, exit_codes, failures
+from launcher.config import LaunchConfig
+from launcher.coordinator import Coordinator, JobState
+from launcher.events import EventLog
+from launcher.orphan_guard import OrphanGuard
+from launcher.protocol import Codec, Message, ProtocolError
+from launcher.rank_env import Attempt, rank_command
+from launcher.store import AgentStore
+from launcher.workers import OutputPlan, RankExit, WorkerGroup
+
+log = logging.getLogger("ftlaunch.agent")
+
+
+class Agent:
+    def __init__(self, config: LaunchConfig, script: str, script_args: list[str]):
+        self.config = config
+        self.local_world_size = config.local_world_size()
+        min_nodes, max_nodes = config.node_range()
+        if max_nodes > 1 and not config.standalone:
+            raise UsageError(f"--nnodes {config.nnodes}: multi-node jobs are not supported yet; "
+                             "run one node (--nnodes 1 or --standalone)")
+        self.run_id = uuid.uuid4().hex[:12] if config.standalone or config.rdzv_id == "none" \
+            else config.rdzv_id
+        self.node_id = f"{socket.gethostname()}:{os.getpid()}"
+        self.addr = config.local_addr or config.master_addr
+        self.command = rank_command(script, script_args, module=config.module,
+                                    no_python=config.no_python)
+        log_root = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="ftlaunch_"))
+        self.log_dir = log_root / self.run_id
+        self.output = OutputPlan(self.log_dir, config.stream_modes(self.local_world_size),
+                                 config.console_ranks(self.local_world_size))
+        self.state = JobState(1, 1, config.max_restarts, config.restart_policy,
+                              config.restart_backoff, config.restart_backoff_max,
+                              config.exit_barrier_timeout)
+
+        self.epoch = 0
+        self.assignment: Message | None = None
+        self.store: AgentStore | None = None
+        self.workers: WorkerGroup | None = None
+        self.first_failure: failures.RankFailure | None = None
+        self.recovery_started: float | None = None
+        self.rejoin_at: float | None = None
+        self.shutdown_signal: int | None = None
+        self.kill_at: float | None = None
+        self.exit_code: int | None = None
+
+    # --- the main loop: read top to bottom ---------------------------------------------------
+
+    def run(self) -> int:
+        self._open()
+        try:
+            self._send("join", node_id=self.node_id, local_world_size=self.local_world_size,
+                       addr=self.addr)
+            while self.exit_code is None:
+                for fd, _ in self.poller.poll(self._poll_timeout_ms()):
+                    if fd is self.control:
+                        self._on_control_message()
+                    elif fd == self.signal_fd:
+                        self._on_signals()
+                    elif self.workers is not None:
+                        exit_ = self.workers.on_readable(fd)
+                        if fd not in self.workers.fds():
+                            self.poller.unregister(fd)
+                        if exit_ is not None:
+                            self._on_rank_exit(exit_)
+                self._on_timers(time.monotonic())
+            return self.exit_code
+        finally:
+            self._close()
+
+    # --- control messages ----------------------------------------------------------------
+
+    def _on_control_message(self) -> None:
+        try:
+            msg = self.codec.decode(self.control.recv_multipart())
+        except ProtocolError as e:
+            log.warning("dropped control message: %s", e)
+            return
+        if msg.epoch < self.epoch:
+            return
+        self.epoch = msg.epoch
+        if msg.type == "assign":
+            self.assignment = msg
+            if msg["group_rank"] == 0:  # the node holding torch's store for this attempt
+                self.store = AgentStore(self.addr, self.config.master_port)
+                self._send("store_ready", master_addr=self.addr, master_port=self.store.port)
+        elif msg.type == "start" and self.shutdown_signal is None:
+            self._start_ranks(msg)
+        elif msg.type == "recover":
+            self._recover(msg)
+        elif msg.type == "stop":
+            self._finish(msg["exit_code"], msg["reason"])
+
+    def _start_ranks(self, msg: Message) -> None:
+        a = self.assignment
+        assert a is not None
+        attempt = Attempt(self.run_id, self.config.role, a["group_rank"], a["group_world_size"],
+                          a["rank_offset"], a["world_size"], self.local_world_size,
+                          msg["master_addr"], msg["master_port"], msg["restart_count"],
+                          a["max_restarts"])
+        self.workers = WorkerGroup(attempt, self.command, self.output, self.guard)
+        self.workers.start()
+        for fd in self.workers.fds():
+            self.poller.register(fd, zmq.POLLIN)
+        self.first_failure = None
+        if self.recovery_started is not None:
+            took = time.monotonic() - self.recovery_started
+            self.events.emit("recovered", f"restart {attempt.restart_count}: ranks restarted "
+                             f"{took:.2f}s after the failure", restart_count=attempt.restart_count,
+                             seconds=took, policy=self.config.restart_policy)
+            self.recovery_started = None
+        else:
+            self.events.emit("started", f"started {self.local_world_size} ranks "
+                             f"(world size {attempt.world_size}, run {self.run_id}, logs "
+                             f"{self.log_dir})", world_size=attempt.world_size, run_id=self.run_id)
+
+    def _recover(self, msg: Message) -> None:
+        """Cold policy: stop every rank, drop the store, re-join for a fresh round."""
+        t0 = time.monotonic()
+        self._stop_ranks(self.config.stop_timeout)
+        self.events.emit("recovering", f"{msg['cause']} -> {msg['policy']} restart "
+                         f"{msg['restart_count']}/{self.config.max_restarts}",
+                         cause=msg["cause"], policy=msg["policy"],
+                         restart_count=msg["restart_count"], stop_seconds=time.monotonic() - t0,
+                         delay=msg["delay"])
+        self.rejoin_at = time.monotonic() + msg["delay"]
+
+    def _finish(self, exit_code: int, reason: str) -> None:
+        if self.shutdown_signal is not None:
+            return  # our own signal shutdown ends the job, honouring the grace period
+        self._stop_ranks(self.config.stop_timeout)
+        if exit_code == exit_codes.OK:
+            self.events.emit("job_finished", "all ranks finished", exit_code=exit_code)
+        else:
+            self.events.emit("job_failed", f"job failed: {reason}", exit_code=exit_code,
+                             reason=reason)
+            if self.first_failure is not None:
+                print(failures.summary(self.first_failure), flush=True, file=sys.stderr)
+        self.exit_code = exit_code
+
+    # --- rank exits and signals ----------------------------------------------------------
+
+    def _on_rank_exit(self, exit_: RankExit) -> None:
+        assert self.workers is not None
+        if self.shutdown_signal is not None:
+            if not self.workers.alive():
+                self.exit_code = exit_codes.SIGNAL_BASE + self.shutdown_signal
+            return
+        if exit_.failure is None:
+            if not self.workers.alive():
+                self._send("finished", node_id=self.node_id)
+            return
+        if self.first_failure is None:
+            self.first_failure = exit_.failure
+            self.recovery_started = time.monotonic()
+            self.events.emit("rank_failed", f"rank {exit_.rank} {exit_.failure.cause}",
+                             rank=exit_.rank, local_rank=exit_.local_rank,
+                             exit_code=exit_.failure.exit_code, signal=exit_.failure.signal)
+            self._send("failure", node_id=self.node_id, rank=exit_.rank,
+                       local_rank=exit_.local_rank, exit_code=exit_.failure.exit_code,
+                       signal=exit_.failure.signal, cause=exit_.failure.cause)
+
+    def _on_signals(self) -> None:
+        for signum in os.read(self.signal_fd, 64):
+            if self.shutdown_signal is None:
+                self.shutdown_signal = signum
+                self.kill_at = time.monotonic() + self.config.grace_period
+                self.events.emit("signal", f"got {signal.Signals(signum).name}: forwarded to ranks, "
+                                 f"SIGKILL in {self.config.grace_period:g}s", signal=signum)
+                self._send("leave", node_id=self.node_id,
+                           exit_code=exit_codes.SIGNAL_BASE + signum,
+                           reason=f"{signal.Signals(signum).name}")
+            elif signum in (signal.SIGINT, signal.SIGTERM):
+                self.kill_at = time.monotonic()  # asked twice: stop waiting
+            if self.workers is not None:
+                self.workers.send_signal(signum)
+        if self.workers is None or not self.workers.alive():
+            self.exit_code = exit_codes.SIGNAL_BASE + (self.shutdown_signal or 0)
+
+    def _on_timers(self, now: float) -> None:
+        if self.rejoin_at is not None and now >= self.rejoin_at:
+            self.rejoin_at = None
+            self._send("join", node_id=self.node_id, local_world_size=self.local_world_size,
+                       addr=self.addr)
+        if self.kill_at is not None and now >= self.kill_at and self.workers is not None:
+            self.kill_at = None
+            self.events.emit("grace_expired", "grace period over: SIGKILL to remaining ranks")
+            self.workers.send_signal(signal.SIGKILL)
+
+    def _poll_timeout_ms(self) -> int:
+        deadlines = [t for t in (self.rejoin_at, self.kill_at) if t is not None]
+        if not deadlines:
+            return 1000
+        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+
+    # --- plumbing ------------------------------------------------------------------------
+
+    def _stop_ranks(self, timeout: float) -> None:
+        if self.workers is not None:
+            for fd in self.workers.fds():
+                self.poller.unregister(fd)
+            self.workers.stop(timeout)
+            self.workers = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def _send(self, kind: str, **fields) -> None:
+        self.control.send_multipart(self.codec.encode(kind, self.epoch, **fields))
+
+    def _open(self) -> None:
+        self.events = EventLog(self.log_dir / "events.jsonl")
+        self.guard = OrphanGuard()
+        self.context = zmq.Context()
+        secret = secrets.token_bytes(32)
+        self.codec = Codec(secret)
+        self.coordinator = Coordinator(self.context, secret, "127.0.0.1", 0, self.state)
+        self.coordinator.start()
+        self.control = self.context.socket(zmq.DEALER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.connect(f"tcp://127.0.0.1:{self.coordinator.port}")
+        read_end, write_end = os.pipe()
+        os.set_blocking(read_end, False)
+        os.set_blocking(write_end, False)
+        self.signal_fd, self._signal_write_fd = read_end, write_end
+        signal.set_wakeup_fd(write_end)
+        self._previous_handlers = {sig: signal.signal(sig, lambda *_: None)
+                                   for sig in self.config.signals()}
+        self.poller = zmq.Poller()
+        self.poller.register(self.control, zmq.POLLIN)
+        self.poller.register(self.signal_fd, zmq.POLLIN)
+
+    def _close(self) -> None:
+        self._stop_ranks(self.config.stop_timeout)
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(-1)
+        os.close(self.signal_fd)
+        os.close(self._signal_write_fd)
+        self.control.close()
+        self.coordinator.close()
+        self.context.term()
+        self.guard.close()
+        self.events.close()

@@ -1,0 +1,280 @@
+"""The one launch configuration: every CLI flag, env var, YAML key and default comes from here.
+
+Precedence is CLI > environment (``PET_*`` for torchrun's flags, ``FTLAUNCH_*`` for ours) >
+config file > default. ``cli.py`` builds the click options from these fields, and
+``load_config_file`` accepts exactly these names as YAML keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from launcher import UsageError
+
+TORCHRUN = "torchrun-compatible options"
+RECOVERY = "fault tolerance"
+GENERAL = "ftlaunch"
+
+RESTART_POLICIES = ("cold",)
+RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2", "ftlaunch")
+START_METHODS = ("spawn", "fork", "forkserver")
+
+
+def _opt(default: Any, help: str, *, group: str = TORCHRUN, short: str | None = None,
+         choices: tuple[str, ...] | None = None) -> Any:
+    meta = {"help": help, "group": group, "short": short, "choices": choices}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class LaunchConfig:
+    """Everything a launch needs besides the script and its arguments."""
+
+    # --- torchrun's flags, same names, same meaning ---------------------------------------
+    nnodes: str = _opt("1:1", "Number of nodes, or MIN:MAX for an elastic job.")
+    nproc_per_node: str = _opt("1", "Ranks per node: an integer, 'cpu', 'gpu' or 'auto'.")
+    standalone: bool = _opt(False, "Single-node job: run the coordinator in this agent on a free port.")
+    rdzv_backend: str = _opt("static", "Rendezvous backend; every value is served by ftlaunch's own "
+                             "ZeroMQ rendezvous.", choices=RDZV_BACKENDS)
+    rdzv_endpoint: str = _opt("", "Coordinator endpoint HOST[:PORT].")
+    rdzv_id: str = _opt("none", "Job id shared by all nodes of one job.")
+    rdzv_conf: str = _opt("", "Extra rendezvous settings KEY=VALUE,... (e.g. timeout=900).")
+    node_rank: int = _opt(0, "Rank of this node (static rendezvous).")
+    master_addr: str = _opt("127.0.0.1", "Address of the node hosting torch's key-value store.")
+    master_port: int = _opt(0, "Port of torch's key-value store; 0 picks a free port per attempt.")
+    local_addr: str | None = _opt(None, "Address other nodes use to reach this one.")
+    max_restarts: int = _opt(3, "Restarts before the job fails (torchrun's default is 0, which "
+                             "never recovers).")
+    monitor_interval: float = _opt(0.1, "Accepted for compatibility: ftlaunch reacts to rank exits "
+                                   "at once instead of polling.")
+    start_method: str = _opt("spawn", "Accepted for compatibility: ranks are always fresh "
+                             "processes.", choices=START_METHODS)
+    role: str = _opt("default", "Role name given to the ranks (ROLE_NAME).")
+    module: bool = _opt(False, "Run the script as a module: python -m SCRIPT.", short="-m")
+    no_python: bool = _opt(False, "Run SCRIPT as an executable instead of a Python file.")
+    run_path: bool = _opt(False, "Run SCRIPT by path with runpy, as torchrun does.")
+    log_dir: str | None = _opt(None, "Directory for per-rank logs and error files.")
+    redirects: str = _opt("0", "Send rank output to files only: 0 none, 1 stdout, 2 stderr, "
+                          "3 both; or per local rank, e.g. 0:1,1:2.", short="-r")
+    tee: str = _opt("0", "Send rank output to files and the console (same format as "
+                    "--redirects).", short="-t")
+    local_ranks_filter: str = _opt("", "Show console output only for these local ranks, e.g. 0,2.")
+    signals_to_handle: str = _opt("SIGTERM,SIGINT,SIGHUP,SIGQUIT", "Signals forwarded to ranks.")
+
+    # --- ftlaunch's own ------------------------------------------------------------------
+    restart_policy: str = _opt("cold", "How to recover from a failed rank.", group=RECOVERY,
+                               choices=RESTART_POLICIES)
+    restart_backoff: float = _opt(1.0, "Seconds before the 2nd restart, doubling after; the "
+                                  "1st restart is immediate.", group=RECOVERY)
+    restart_backoff_max: float = _opt(30.0, "Longest wait between restarts, seconds.",
+                                      group=RECOVERY)
+    grace_period: float = _opt(60.0, "Seconds ranks get to exit after a forwarded signal before "
+                               "SIGKILL.", group=RECOVERY)
+    stop_timeout: float = _opt(2.0, "Seconds survivors get to exit when a recovery stops them.",
+                               group=RECOVERY)
+    exit_barrier_timeout: float = _opt(300.0, "Seconds a finished node waits for the others.",
+                                       group=RECOVERY)
+    config: str | None = _opt(None, "YAML file with any of these options (CLI and env win).",
+                              group=GENERAL)
+
+    # --- derived views, each a pure parse of one field ------------------------------------
+
+    def node_range(self) -> tuple[int, int]:
+        """``--nnodes`` as (min, max)."""
+        text = self.nnodes.strip()
+        lo, sep, hi = text.partition(":")
+        try:
+            result = (int(lo), int(hi) if sep else int(lo))
+        except ValueError:
+            raise UsageError(f"--nnodes {self.nnodes!r} is not N or MIN:MAX; use e.g. 2 or 1:4") from None
+        if result[0] < 1 or result[1] < result[0]:
+            raise UsageError(f"--nnodes {self.nnodes!r} needs 1 <= MIN <= MAX; use e.g. 2 or 1:4")
+        return result
+
+    def local_world_size(self, gpu_count: int | None = None) -> int:
+        """``--nproc-per-node`` as a number; ``gpu_count`` is asked for only when needed."""
+        value = self.nproc_per_node.strip()
+        if value == "cpu":
+            return os.cpu_count() or 1
+        if value in ("gpu", "auto"):
+            gpus = gpu_count if gpu_count is not None else _count_gpus()
+            if gpus > 0:
+                return gpus
+            if value == "gpu":
+                raise UsageError("--nproc-per-node gpu: no GPU found; use a number or 'cpu'")
+            return os.cpu_count() or 1
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise UsageError(f"--nproc-per-node {self.nproc_per_node!r} is not a positive "
+                             "integer, 'cpu', 'gpu' or 'auto'")
+        return n
+
+    def stream_modes(self, local_world_size: int) -> dict[int, tuple[bool, bool, bool]]:
+        """Per local rank: (stdout to file, stderr to file, also to console)."""
+        redirect = _parse_std(self.redirects, "--redirects", local_world_size)
+        tee = _parse_std(self.tee, "--tee", local_world_size)
+        modes = {}
+        for r in range(local_world_size):
+            out = bool((redirect[r] | tee[r]) & 1)
+            err = bool((redirect[r] | tee[r]) & 2)
+            modes[r] = (out, err, tee[r] != 0)
+        return modes
+
+    def console_ranks(self, local_world_size: int) -> set[int]:
+        """Local ranks whose output reaches the console (``--local-ranks-filter``)."""
+        if not self.local_ranks_filter.strip():
+            return set(range(local_world_size))
+        try:
+            ranks = {int(x) for x in self.local_ranks_filter.split(",") if x.strip()}
+        except ValueError:
+            raise UsageError(f"--local-ranks-filter {self.local_ranks_filter!r} is not a "
+                             "comma-separated list of local ranks; use e.g. 0,2") from None
+        bad = sorted(r for r in ranks if not 0 <= r < local_world_size)
+        if bad:
+            raise UsageError(f"--local-ranks-filter names local rank {bad[0]} but there are "
+                             f"{local_world_size}; use ranks 0..{local_world_size - 1}")
+        return ranks
+
+    def signals(self) -> list[signal.Signals]:
+        """``--signals-to-handle`` as signal objects."""
+        result = []
+        for name in (s.strip() for s in self.signals_to_handle.split(",") if s.strip()):
+            try:
+                sig = signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+            except KeyError:
+                raise UsageError(f"--signals-to-handle: unknown signal {name!r}; use names "
+                                 "like SIGTERM,SIGUSR1") from None
+            if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+                raise UsageError(f"--signals-to-handle: {sig.name} cannot be handled; remove it")
+            result.append(sig)
+        return result
+
+    def rdzv_settings(self) -> dict[str, str]:
+        """``--rdzv-conf`` as a dict."""
+        settings = {}
+        for item in (s.strip() for s in self.rdzv_conf.split(",") if s.strip()):
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise UsageError(f"--rdzv-conf item {item!r} is not KEY=VALUE; use e.g. "
+                                 "timeout=900,join_timeout=60")
+            settings[key.strip()] = value.strip()
+        return settings
+
+    def validate(self) -> None:
+        """Fail early, with one line, on anything a later step would trip over."""
+        self.node_range()
+        self.local_world_size(gpu_count=0 if self.nproc_per_node.strip() == "auto" else 1)
+        self.signals()
+        self.rdzv_settings()
+        if self.module and self.no_python:
+            raise UsageError("--module and --no-python cannot be used together; drop one")
+        for name in ("max_restarts", "node_rank", "master_port"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.master_port > 65535:
+            raise UsageError(f"--master-port {self.master_port} is not a TCP port; use 1..65535 or 0")
+        for name in ("restart_backoff", "restart_backoff_max", "grace_period", "stop_timeout",
+                     "exit_barrier_timeout", "monitor_interval"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 0 seconds")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise UsageError(f"--{f.name.replace('_', '-')} {getattr(self, f.name)!r} is not "
+                                 f"one of {', '.join(choices)}")
+
+
+def env_var(name: str) -> str:
+    """Environment variable for a field: torchrun's ``PET_*`` for its flags, ``FTLAUNCH_*`` else."""
+    f = FIELDS[name]
+    prefix = "PET_" if f.metadata["group"] == TORCHRUN else "FTLAUNCH_"
+    return prefix + name.upper()
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(LaunchConfig)}
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a YAML config file into checked field values; unknown keys and wrong types fail."""
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise UsageError(f"config file {path}: {e.strerror}; pass an existing YAML file to "
+                         "--config") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UsageError(f"config file {path}: invalid YAML{where}; fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {path}: top level must be a mapping of option: value")
+    values = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("-", "_")
+        if key not in FIELDS or key == "config":
+            close = difflib.get_close_matches(key, FIELDS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else "; see 'ftlaunch --help'"
+            raise UsageError(f"config file {path}: unknown key {raw_key!r}{hint}")
+        values[key] = _coerce(key, value, f"config file {path}: {raw_key}")
+    return values
+
+
+def _coerce(name: str, value: Any, where: str) -> Any:
+    """Check a file value against the field's type (str fields accept numbers, as YAML reads 4)."""
+    default = FIELDS[name].default
+    kind = type(default) if default is not None else str
+    if value is None and default is None:
+        return None
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, (str, int)) and not isinstance(value, bool)
+        value = str(value) if ok else value
+    if not ok:
+        raise UsageError(f"{where} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def _parse_std(spec: str, flag: str, local_world_size: int) -> dict[int, int]:
+    """torchrun's Std format: one digit for all ranks, or LOCAL_RANK:DIGIT,..."""
+    spec = spec.strip()
+    error = UsageError(f"{flag} {spec!r} is not 0-3 or LOCAL_RANK:0-3,...; use e.g. 3 or 0:1,1:2")
+    if ":" not in spec:
+        if spec not in ("0", "1", "2", "3"):
+            raise error
+        return dict.fromkeys(range(local_world_size), int(spec))
+    modes = dict.fromkeys(range(local_world_size), 0)
+    for item in spec.split(","):
+        rank, _, digit = item.partition(":")
+        if not rank.strip().isdigit() or digit.strip() not in ("0", "1", "2", "3"):
+            raise error
+        modes[int(rank)] = int(digit)
+    return modes
+
+
+def _count_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0

@@ -1,0 +1,28 @@
+"""Job events: one JSON line each in ``<log-dir>/<run>/events.jsonl`` and one line on stderr."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.text import Text
+
+_CONSOLE = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+
+
+class EventLog:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file = path.open("a", buffering=1)
+
+    def emit(self, kind: str, text: str, **fields) -> None:
+        """Record ``kind`` with ``fields``; show ``text`` to the person watching."""
+        self._file.write(json.dumps({"ts": time.time(), "event": kind, **fields}) + "\n")
+        style = "bold red" if kind in ("rank_failed", "job_failed") else "bold"
+        _CONSOLE.print(Text.assemble(("ftlaunch: ", style), text))
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,77 @@
+"""Rank failures: what ended a rank, read from its exit status and torchrun-style error file."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    rank: int
+    local_rank: int
+    pid: int
+    exit_code: int | None  # None when killed by a signal
+    signal: str  # "" unless killed by a signal
+    error_file: str
+    time: float
+    message: str = ""
+    traceback: str = ""
+
+    @property
+    def how(self) -> str:
+        if self.signal:
+            return f"was killed by {self.signal}"
+        return f"exited with code {self.exit_code}"
+
+    @property
+    def cause(self) -> str:
+        """One line: how it ended and, when the rank recorded it, the exception."""
+        return f"{self.how}: {self.message}" if self.message else self.how
+
+
+def from_returncode(rank: int, local_rank: int, pid: int, returncode: int,
+                    error_file: str) -> RankFailure:
+    """A failure from ``Popen.returncode`` (negative = signal) plus the rank's error file."""
+    exit_code, sig = (returncode, "") if returncode >= 0 else (None, _signal_name(-returncode))
+    message, trace, when = _read_error_file(error_file)
+    return RankFailure(rank, local_rank, pid, exit_code, sig, error_file,
+                       when or time.time(), message, trace)
+
+
+def summary(failure: RankFailure) -> str:
+    """The root-cause report printed when a job gives up."""
+    lines = [f"root cause: rank {failure.rank} (local rank {failure.local_rank}, pid "
+             f"{failure.pid}) {failure.how}"]
+    if failure.message:
+        lines.append(f"  error: {failure.message}")
+    if failure.traceback:
+        lines.append("  traceback:")
+        lines.extend("    " + ln for ln in failure.traceback.rstrip().splitlines())
+    elif not failure.message:
+        lines.append(f"  (no error file; to record tracebacks, decorate main with "
+                     f"torch.distributed.elastic.multiprocessing.errors.record: {failure.error_file})")
+    return "\n".join(lines)
+
+
+def _read_error_file(path: str) -> tuple[str, str, float | None]:
+    try:
+        data = json.loads(Path(path).read_text())
+        body = data["message"]
+        if isinstance(body, str):
+            return body, "", None
+        extra = body.get("extraInfo", {})
+        return str(body.get("message", "")), str(extra.get("py_callstack", "")), \
+            float(extra.get("timestamp", 0)) or None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "", "", None
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

@@ -1,0 +1,115 @@
+"""Control-plane messages: versioned, schema-checked msgpack maps signed with the job's secret.
+
+A message on the wire is two ZeroMQ frames: ``msgpack(body)`` and ``HMAC-SHA256(secret, body)``.
+Nothing is ever unpickled; anything forged, replayed, malformed, oversized or of another
+version raises ``ProtocolError``, which receivers log and drop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+VERSION = 1
+MAX_BYTES = 64 * 1024
+
+_INT = int
+_STR = str
+_FLOAT = (int, float)
+_OPT_INT = (int, type(None))
+
+SCHEMA: dict[str, dict[str, Any]] = {
+    # agent -> coordinator
+    "join": {"node_id": _STR, "local_world_size": _INT, "addr": _STR},
+    "store_ready": {"master_addr": _STR, "master_port": _INT},
+    "failure": {"node_id": _STR, "rank": _INT, "local_rank": _INT, "exit_code": _OPT_INT,
+                "signal": _STR, "cause": _STR},
+    "finished": {"node_id": _STR},
+    "leave": {"node_id": _STR, "exit_code": _INT, "reason": _STR},
+    # coordinator -> agent
+    "assign": {"group_rank": _INT, "group_world_size": _INT, "rank_offset": _INT,
+               "world_size": _INT, "restart_count": _INT, "max_restarts": _INT},
+    "start": {"master_addr": _STR, "master_port": _INT, "restart_count": _INT},
+    "recover": {"policy": _STR, "restart_count": _INT, "delay": _FLOAT, "cause": _STR},
+    "stop": {"exit_code": _INT, "reason": _STR},
+}
+"""Fields of each message type beyond the envelope (v, type, epoch, sid, seq)."""
+
+
+class ProtocolError(ValueError):
+    """A message that must be dropped; the text says why."""
+
+
+@dataclass(frozen=True)
+class Message:
+    type: str
+    epoch: int
+    fields: dict[str, Any]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.fields[key]
+
+
+class Codec:
+    """Signs outgoing and verifies incoming messages for one endpoint (one per socket/thread)."""
+
+    def __init__(self, secret: bytes):
+        if len(secret) < 16:
+            raise ValueError("the job secret must be at least 16 bytes")
+        self._secret = secret
+        self._sid = os.urandom(8).hex()
+        self._seq = itertools.count(1)
+        self._last_seq: dict[str, int] = {}
+
+    def encode(self, type: str, epoch: int, **fields: Any) -> list[bytes]:
+        _check_fields(type, fields)
+        body = msgpack.packb({"v": VERSION, "type": type, "epoch": epoch, "sid": self._sid,
+                              "seq": next(self._seq), "ts": time.time(), **fields})
+        return [body, hmac.new(self._secret, body, hashlib.sha256).digest()]
+
+    def decode(self, frames: list[bytes]) -> Message:
+        if len(frames) != 2:
+            raise ProtocolError(f"expected 2 frames, got {len(frames)}")
+        body, mac = frames
+        if len(body) > MAX_BYTES:
+            raise ProtocolError(f"message of {len(body)} bytes exceeds {MAX_BYTES}")
+        expected = hmac.new(self._secret, body, hashlib.sha256).digest()
+        if not hmac.compare_digest(expected, mac):
+            raise ProtocolError("bad signature (wrong job secret or forged message)")
+        try:
+            data = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        except Exception as e:
+            raise ProtocolError(f"undecodable body: {type(e).__name__}") from None
+        if not isinstance(data, dict):
+            raise ProtocolError("body is not a map")
+        if data.pop("v", None) != VERSION:
+            raise ProtocolError(f"unsupported protocol version (this side speaks {VERSION})")
+        kind, epoch = data.pop("type", None), data.pop("epoch", None)
+        sid, seq = data.pop("sid", None), data.pop("seq", None)
+        data.pop("ts", None)
+        if not isinstance(epoch, int) or not isinstance(sid, str) or not isinstance(seq, int):
+            raise ProtocolError("bad envelope")
+        _check_fields(kind, data)
+        if seq <= self._last_seq.get(sid, 0):
+            raise ProtocolError(f"replayed message (seq {seq} from {sid})")
+        self._last_seq[sid] = seq
+        return Message(kind, epoch, data)
+
+
+def _check_fields(kind: Any, fields: dict[str, Any]) -> None:
+    schema = SCHEMA.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    if set(fields) != set(schema):
+        raise ProtocolError(f"{kind}: fields {sorted(fields)} != {sorted(schema)}")
+    for name, expected in schema.items():
+        value = fields[name]
+        if isinstance(value, bool) or not isinstance(value, expected):
+            raise ProtocolError(f"{kind}.{name}: wrong type {type(value).__name__}")

@@ -1,0 +1,88 @@
+"""Rank output: prefixed lines on the console, copies in per-rank log files (--redirects/--tee)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import IO
+
+from rich.console import Console
+from rich.text import Text
+
+_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
+_OUT = Console(highlight=False, soft_wrap=True, emoji=False, markup=False)
+_ERR = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False, markup=False)
+
+
+class Pump:
+    """Copies one rank stream from a pipe, line by line, to the console and/or a log file."""
+
+    def __init__(self, fd: int, prefix: Text, console: Console | None, file: IO[bytes] | None):
+        self.fd = fd
+        self._prefix, self._console, self._file = prefix, console, file
+        self._partial = b""
+
+    def pump(self) -> bool:
+        """Move what is readable now; False once the rank closed the stream."""
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return True
+        if not data:
+            self._emit(self._partial, final=True)
+            os.close(self.fd)
+            if self._file:
+                self._file.close()
+            return False
+        if self._file:
+            self._file.write(data)
+            self._file.flush()
+        self._emit(self._partial + data)
+        return True
+
+    def _emit(self, data: bytes, final: bool = False) -> None:
+        lines = data.split(b"\n")
+        self._partial = b"" if final else lines.pop()
+        if self._console:
+            for line in lines if not final else [ln for ln in lines if ln]:
+                self._console.print(self._prefix + Text(line.decode(errors="replace")))
+
+
+class RankStreams:
+    """Where one rank's stdout and stderr go, and the pumps the agent must service.
+
+    A stream shown on the console goes through a pipe the agent reads (and copies to the
+    log file under --tee); a stream only redirected is written by the rank to its file.
+    """
+
+    def __init__(self, rank: int, log_dir: Path | None, to_file: tuple[bool, bool],
+                 to_console: bool, tee: bool):
+        self.pumps: list[Pump] = []
+        self.popen_kwargs: dict[str, object] = {}
+        self._child_ends: list[object] = []  # the agent's copies, closed once the child has them
+        prefix = Text(f"[rank{rank}]: ", style=_STYLES[rank % len(_STYLES)])
+        for name, console, want_file in (("stdout", _OUT, to_file[0]), ("stderr", _ERR, to_file[1])):
+            file = _open_log(log_dir, name) if want_file and log_dir else None
+            show = to_console and (tee or file is None)
+            if show:
+                read_end, write_end = os.pipe()
+                os.set_blocking(read_end, False)
+                self.pumps.append(Pump(read_end, prefix, console, file))
+                target: object = write_end
+            else:
+                target = file or open(os.devnull, "wb")  # noqa: SIM115 - closed after spawn
+            self.popen_kwargs[name] = target
+            self._child_ends.append(target)
+
+    def after_spawn(self) -> None:
+        """Close the agent's copies of what the child now holds."""
+        for end in self._child_ends:
+            if isinstance(end, int):
+                os.close(end)
+            else:
+                end.close()
+
+
+def _open_log(log_dir: Path, name: str) -> IO[bytes]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by a pump or the child

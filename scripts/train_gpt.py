@@ -1,0 +1,208 @@
+"""Tiny GPT trained on synthetic tokens: a plain torchrun-style DDP (gloo) script.
+
+It demonstrates what a fault-tolerant launcher has to cope with, using only torch:
+env:// rendezvous as torchrun sets it up, atomic self-managed checkpoints that make a
+killed-and-resumed run end bit-identical to an uninterrupted one, and env-controlled
+fault injection (TRAIN_FAULT_RANK / TRAIN_FAULT_STEP / TRAIN_FAULT_KIND) that fires only
+in the first attempt (TORCHELASTIC_RESTART_COUNT unset or "0").
+
+    python scripts/train_gpt.py --steps 20
+    torchrun --standalone --nproc-per-node 2 scripts/train_gpt.py --ckpt-dir /tmp/ck --out r.json
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+VOCAB, D_MODEL, N_HEAD, N_LAYER, SEQ_LEN = 256, 64, 4, 2, 32
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D_MODEL), nn.LayerNorm(D_MODEL)
+        self.qkv, self.proj = nn.Linear(D_MODEL, 3 * D_MODEL), nn.Linear(D_MODEL, D_MODEL)
+        self.mlp = nn.Sequential(
+            nn.Linear(D_MODEL, 4 * D_MODEL), nn.GELU(), nn.Linear(4 * D_MODEL, D_MODEL)
+        )
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, N_HEAD, c // N_HEAD).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, D_MODEL), nn.Embedding(SEQ_LEN, D_MODEL)
+        self.blocks = nn.Sequential(*[Block() for _ in range(N_LAYER)])
+        self.ln_f = nn.LayerNorm(D_MODEL)
+        self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        return self.head(self.ln_f(self.blocks(x)))
+
+
+def make_batch(seed, rank, step, batch_size):
+    """Sequences x[t+1] = (a*x[t] + b) % VOCAB; depends only on (seed, rank, step)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + step)
+    a = torch.randint(1, VOCAB, (batch_size, 1), generator=g)
+    b = torch.randint(0, VOCAB, (batch_size, 1), generator=g)
+    x = [torch.randint(0, VOCAB, (batch_size, 1), generator=g)]
+    for _ in range(SEQ_LEN):
+        x.append((a * x[-1] + b) % VOCAB)
+    seq = torch.cat(x, dim=1)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def log(msg):
+    sys.stdout.write(msg + "\n")  # one write() per line so ranks sharing a pipe don't interleave
+    sys.stdout.flush()
+
+
+def maybe_inject_fault(rank, step):
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if "TRAIN_FAULT_STEP" not in os.environ or "TRAIN_FAULT_RANK" not in os.environ:
+        return
+    if rank != int(os.environ["TRAIN_FAULT_RANK"]) or step != int(os.environ["TRAIN_FAULT_STEP"]):
+        return
+    kind = os.environ.get("TRAIN_FAULT_KIND", "exception")
+    log(f"injecting fault {kind} rank {rank} step {step}")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    elif kind == "exit":
+        sys.exit(3)
+    raise RuntimeError(f"injected fault at step {step}")
+
+
+def atomic_save(obj, path):
+    directory = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".ckpt-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def weights_sha256(model):
+    h = hashlib.sha256()
+    for t in model.state_dict().values():
+        h.update(bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).tolist()))
+    return h.hexdigest()
+
+
+@record
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default: none)")
+    p.add_argument("--ckpt-every", type=int, default=20)
+    p.add_argument("--step-time", type=float, default=0.0, help="extra sleep per step (s)")
+    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--out", default=None, help="rank 0 writes a JSON summary here")
+    args = p.parse_args()
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    distributed = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    if distributed:
+        dist.init_process_group(backend="gloo")  # env:// rendezvous
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+
+    torch.manual_seed(args.seed)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    start = 0
+    ckpt_path = os.path.join(args.ckpt_dir, "ckpt.pt") if args.ckpt_dir else None
+    if ckpt_path and os.path.exists(ckpt_path):
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optim"])
+        torch.set_rng_state(ckpt["rng"])
+        start = int(ckpt["step"])
+    if ckpt_path and rank == 0:
+        os.makedirs(args.ckpt_dir, exist_ok=True)
+    ddp = DDP(model) if distributed else model
+    log(f"start rank {rank} world {world} pid {os.getpid()} resume_from {start}")
+
+    loss_val, t0 = None, time.perf_counter()
+    for step in range(start + 1, args.steps + 1):  # `step` = number of steps done after it
+        maybe_inject_fault(rank, step)
+        x, y = make_batch(args.seed, rank, step, args.batch_size)
+        loss = F.cross_entropy(ddp(x).reshape(-1, VOCAB), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss_val = loss.item()
+        if step % args.log_every == 0:
+            log(f"step {step} loss {loss_val:.4f} rank {rank}")
+        if ckpt_path and step % args.ckpt_every == 0:
+            if rank == 0:
+                state = {
+                    "model": model.state_dict(),
+                    "optim": opt.state_dict(),
+                    "step": step,
+                    "rng": torch.get_rng_state(),
+                }
+                atomic_save(state, ckpt_path)
+            if distributed:
+                dist.barrier()
+        if args.step_time > 0:
+            time.sleep(args.step_time)
+    n = args.steps - start
+    if n > 0 and rank == 0:
+        log(f"time per step {1000 * (time.perf_counter() - t0) / n:.2f} ms")
+
+    if args.out and rank == 0:
+        result = {
+            "final_step": max(args.steps, start),
+            "loss": loss_val,
+            "weights_sha256": weights_sha256(model),
+            "resumed_from": start,
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        }
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(args.out + ".tmp", args.out)
+    log(f"done rank {rank} step {max(args.steps, start)}")
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
