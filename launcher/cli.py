@@ -12,7 +12,15 @@ from pathlib import Path
 import click
 
 from launcher import UsageError, __version__, exit_codes
-from launcher.config import FIELDS, GENERAL, RECOVERY, TORCHRUN, LaunchConfig, env_var, load_config_file
+from launcher.config import (
+    FIELDS,
+    GENERAL,
+    RECOVERY,
+    TORCHRUN,
+    LaunchConfig,
+    env_var,
+    load_config_file,
+)
 
 HELP = """Run TRAINING_SCRIPT on this node's ranks and recover them when they fail.
 

@@ -8,6 +8,7 @@ Run it as ``python -m launcher.orphan_guard``; it imports nothing heavy.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -25,10 +26,8 @@ def main() -> None:
         elif line.startswith("-"):
             groups.discard(int(line[1:]))
     for pgid in groups:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 class OrphanGuard:

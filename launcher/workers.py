@@ -7,6 +7,7 @@ the agent polls beside its sockets, so an exit is seen the moment it happens.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -164,7 +165,5 @@ class WorkerGroup:
 
 
 def _killpg(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
