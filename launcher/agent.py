@@ -41,7 +41,7 @@ class Agent:
         if max_nodes > 1 and not config.standalone:
             raise UsageError(f"--nnodes {config.nnodes}: multi-node jobs are not supported yet; "
                              "run one node (--nnodes 1 or --standalone)")
-        self.run_id = uuid.uuid4().hex[:12] if config.standalone or config.rdzv_id == "none" \
+        self.run_id = str(uuid.uuid4()) if config.standalone or config.rdzv_id == "none" \
             else config.rdzv_id
         self.node_id = f"{socket.gethostname()}:{os.getpid()}"
         self.addr = config.local_addr or config.master_addr
@@ -119,7 +119,7 @@ class Agent:
         attempt = Attempt(self.run_id, self.config.role, a["group_rank"], a["group_world_size"],
                           a["rank_offset"], a["world_size"], self.local_world_size,
                           msg["master_addr"], msg["master_port"], msg["restart_count"],
-                          a["max_restarts"])
+                          a["max_restarts"], self.config.signals_to_handle)
         self.workers = WorkerGroup(attempt, self.command, self.output, self.guard)
         self.workers.start()
         for fd in self.workers.fds():

@@ -22,6 +22,7 @@ class Attempt:
     master_port: int
     restart_count: int
     max_restarts: int
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 
 def rank_env(attempt: Attempt, local_rank: int, error_file: str,
@@ -47,7 +48,9 @@ def rank_env(attempt: Attempt, local_rank: int, error_file: str,
         # The agent holds torch's store, so ranks connect as clients and never host it.
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_ERROR_FILE": error_file,
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": attempt.signals_to_handle,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "FTLAUNCH_RUN_ID": attempt.run_id,  # tells trainer_shim it is managed
     })
     if attempt.local_world_size > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: ranks must not oversubscribe cores

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create or reuse .venv and install ftlaunch into it. Sourced by demo.sh and test.sh.
+# torch is installed first, pinned, and only when missing: an unpinned torch pulls a
+# multi-GB CUDA build, and a present torch (CPU or CUDA) is kept as it is.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${FTLAUNCH_VENV:-$ROOT/.venv}"
+PYTHON_BIN="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON_BIN" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+"$PY" -m pip install -q -e "$ROOT[test]" 2>&1 | grep -v "^WARNING: Location" || true
+"$PY" -c "import launcher, torch, zmq" >/dev/null
+export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,123 @@
+"""Shared helpers for tests that launch real agents and real ranks."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+TAG_VAR = "FTLAUNCH_TEST_TAG"
+
+
+class Launch:
+    """A running ``ftlaunch`` whose merged output can be awaited line by line."""
+
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str]):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "launcher", *args], cwd=cwd, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def wait_for(self, pattern: str, timeout: float = 60) -> re.Match:
+        """Block until a line matches ``pattern``; fail on EOF or timeout."""
+        deadline = time.monotonic() + timeout
+        regex = re.compile(pattern)
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no line matching {pattern!r} within {timeout}s:\n" + self.output)
+            if line is None:
+                self._queue.put(None)
+                pytest.fail(f"ftlaunch ended before a line matched {pattern!r}:\n" + self.output)
+            self.lines.append(line)
+            match = regex.search(line)
+            if match:
+                return match
+
+    def finish(self, timeout: float = 120) -> int:
+        """Wait for exit (hang guard), collect all output, return the exit code."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"ftlaunch did not exit within {timeout}s:\n" + self.output)
+        while (line := self._queue.get(timeout=10)) is not None:
+            self.lines.append(line)
+        self._queue.put(None)
+        return code
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+
+def tagged_processes(tag: str) -> list[psutil.Process]:
+    """Live processes carrying this test's tag in their environment (ranks, their children)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get(TAG_VAR) == tag \
+                    and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def wait_no_tagged(tag: str, timeout: float = 10) -> list[psutil.Process]:
+    """Processes still alive after ``timeout``: a test asserts this is empty."""
+    deadline = time.monotonic() + timeout
+    while (left := tagged_processes(tag)) and time.monotonic() < deadline:
+        psutil.wait_procs(left, timeout=max(0.01, min(0.5, deadline - time.monotonic())))
+    return tagged_processes(tag)
+
+
+@pytest.fixture
+def launcher_env(tmp_path):
+    """Environment for launches: a unique tag to find every process they start."""
+    tag = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "FTLAUNCH_", "TRAIN_"))}
+    env[TAG_VAR] = tag
+    env["PYTHONPATH"] = str(ROOT)
+    yield env
+    leftovers = wait_no_tagged(tag)
+    for p in leftovers:
+        p.kill()
+    assert not leftovers, f"orphan processes left behind: {leftovers}"
+
+
+@pytest.fixture
+def launch(tmp_path, launcher_env):
+    """Start ``ftlaunch ARGS`` in tmp_path; every launch is killed at teardown."""
+    started: list[Launch] = []
+
+    def _launch(*args: str, env: dict[str, str] | None = None) -> Launch:
+        run = Launch(list(args), tmp_path, {**launcher_env, **(env or {})})
+        started.append(run)
+        return run
+
+    yield _launch
+    for run in started:
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait(10)
