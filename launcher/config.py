@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from launcher import UsageError
 
@@ -24,6 +25,13 @@ GENERAL = "ftlaunch"
 RESTART_POLICIES = ("cold",)
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2", "ftlaunch")
 START_METHODS = ("spawn", "fork", "forkserver")
+
+
+class StreamMode(NamedTuple):
+    """Where one rank stream goes."""
+
+    file: bool
+    console: bool
 
 
 def _opt(default: Any, help: str, *, group: str = TORCHRUN, short: str | None = None,
@@ -118,16 +126,14 @@ class LaunchConfig:
                              "integer, 'cpu', 'gpu' or 'auto'")
         return n
 
-    def stream_modes(self, local_world_size: int) -> dict[int, tuple[bool, bool, bool]]:
-        """Per local rank: (stdout to file, stderr to file, also to console)."""
+    def stream_modes(self, local_world_size: int) -> dict[int, tuple[StreamMode, StreamMode]]:
+        """Per local rank: where (stdout, stderr) go. Redirect = file only; tee = file + console."""
         redirect = _parse_std(self.redirects, "--redirects", local_world_size)
         tee = _parse_std(self.tee, "--tee", local_world_size)
-        modes = {}
-        for r in range(local_world_size):
-            out = bool((redirect[r] | tee[r]) & 1)
-            err = bool((redirect[r] | tee[r]) & 2)
-            modes[r] = (out, err, tee[r] != 0)
-        return modes
+        return {r: tuple(StreamMode(file=bool((redirect[r] | tee[r]) & bit),
+                                    console=bool(tee[r] & bit) or not redirect[r] & bit)
+                         for bit in (1, 2))
+                for r in range(local_world_size)}
 
     def console_ranks(self, local_world_size: int) -> set[int]:
         """Local ranks whose output reaches the console (``--local-ranks-filter``)."""
@@ -172,7 +178,9 @@ class LaunchConfig:
     def validate(self) -> None:
         """Fail early, with one line, on anything a later step would trip over."""
         self.node_range()
-        self.local_world_size(gpu_count=0 if self.nproc_per_node.strip() == "auto" else 1)
+        n = self.local_world_size(gpu_count=1)  # GPUs are counted later, only if asked for
+        self.stream_modes(n)
+        self.console_ranks(n)
         self.signals()
         self.rdzv_settings()
         if self.module and self.no_python:
@@ -213,7 +221,7 @@ def load_config_file(path: str) -> dict[str, Any]:
         raise UsageError(f"config file {path}: {e.strerror}; pass an existing YAML file to "
                          "--config") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_yaml_loader())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -225,8 +233,11 @@ def load_config_file(path: str) -> dict[str, Any]:
     values = {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
-        if key not in FIELDS or key == "config":
-            close = difflib.get_close_matches(key, FIELDS, n=1)
+        if key == "config":
+            raise UsageError(f"config file {path}: 'config' cannot name another file; pass "
+                             "--config on the command line or in FTLAUNCH_CONFIG")
+        if key not in FIELDS:
+            close = difflib.get_close_matches(key, [k for k in FIELDS if k != "config"], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else "; see 'ftlaunch --help'"
             raise UsageError(f"config file {path}: unknown key {raw_key!r}{hint}")
         values[key] = _coerce(key, value, f"config file {path}: {raw_key}")
@@ -252,6 +263,23 @@ def _coerce(name: str, value: Any, where: str) -> Any:
     if not ok:
         raise UsageError(f"{where} must be a {kind.__name__}, got {value!r}")
     return value
+
+
+def _yaml_loader() -> type:
+    """YAML's safe loader without YAML 1.1's base-60 numbers, so ``nnodes: 1:4`` stays text."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    number_tags = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag not in number_tags]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(number_tags[0], re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+    Loader.add_implicit_resolver(number_tags[1], re.compile(
+        r"^[-+]?([0-9]+\.[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$"), list("-+0123456789."))
+    return Loader
 
 
 def _parse_std(spec: str, flag: str, local_world_size: int) -> dict[int, int]:

@@ -89,12 +89,13 @@ class Codec:
             raise ProtocolError(f"undecodable body: {type(e).__name__}") from None
         if not isinstance(data, dict):
             raise ProtocolError("body is not a map")
-        if data.pop("v", None) != VERSION:
+        version = data.pop("v", None)
+        if type(version) is not int or version != VERSION:
             raise ProtocolError(f"unsupported protocol version (this side speaks {VERSION})")
         kind, epoch = data.pop("type", None), data.pop("epoch", None)
         sid, seq = data.pop("sid", None), data.pop("seq", None)
         data.pop("ts", None)
-        if not isinstance(epoch, int) or not isinstance(sid, str) or not isinstance(seq, int):
+        if type(epoch) is not int or type(seq) is not int or not isinstance(sid, str):
             raise ProtocolError("bad envelope")
         _check_fields(kind, data)
         if seq <= self._last_seq.get(sid, 0):

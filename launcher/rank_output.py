@@ -9,6 +9,8 @@ from typing import IO
 from rich.console import Console
 from rich.text import Text
 
+from launcher.config import StreamMode
+
 _STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
 _OUT = Console(highlight=False, soft_wrap=True, emoji=False, markup=False)
 _ERR = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False, markup=False)
@@ -55,15 +57,15 @@ class RankStreams:
     log file under --tee); a stream only redirected is written by the rank to its file.
     """
 
-    def __init__(self, rank: int, log_dir: Path | None, to_file: tuple[bool, bool],
-                 to_console: bool, tee: bool):
+    def __init__(self, rank: int, log_dir: Path | None, modes: tuple[StreamMode, StreamMode],
+                 show_rank: bool):
         self.pumps: list[Pump] = []
         self.popen_kwargs: dict[str, object] = {}
         self._child_ends: list[object] = []  # the agent's copies, closed once the child has them
         prefix = Text(f"[rank{rank}]: ", style=_STYLES[rank % len(_STYLES)])
-        for name, console, want_file in (("stdout", _OUT, to_file[0]), ("stderr", _ERR, to_file[1])):
-            file = _open_log(log_dir, name) if want_file and log_dir else None
-            show = to_console and (tee or file is None)
+        for name, console, mode in (("stdout", _OUT, modes[0]), ("stderr", _ERR, modes[1])):
+            file = _open_log(log_dir, name) if mode.file and log_dir else None
+            show = show_rank and mode.console
             if show:
                 read_end, write_end = os.pipe()
                 os.set_blocking(read_end, False)

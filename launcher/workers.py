@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher import failures
+from launcher.config import StreamMode
 from launcher.orphan_guard import OrphanGuard
 from launcher.rank_env import Attempt, rank_env
 from launcher.rank_output import Pump, RankStreams
@@ -58,7 +59,7 @@ class OutputPlan:
     """Where rank output goes: log directory, per-local-rank modes, console filter."""
 
     log_dir: Path
-    modes: dict[int, tuple[bool, bool, bool]]  # local rank -> (stdout file, stderr file, tee)
+    modes: dict[int, tuple[StreamMode, StreamMode]]  # local rank -> (stdout, stderr)
     console: set[int] = field(default_factory=set)
 
 
@@ -83,9 +84,8 @@ class WorkerGroup:
             rank_dir = self.attempt_dir / str(local_rank)
             rank_dir.mkdir(parents=True, exist_ok=True)
             error_file = str(rank_dir / "error.json")
-            out, err, tee = self._output.modes[local_rank]
-            streams = RankStreams(rank, rank_dir, (out, err), local_rank in self._output.console,
-                                  tee)
+            streams = RankStreams(rank, rank_dir, self._output.modes[local_rank],
+                                  local_rank in self._output.console)
             proc = subprocess.Popen(
                 self._command, env=rank_env(self.attempt, local_rank, error_file),
                 stdin=subprocess.DEVNULL, close_fds=True,

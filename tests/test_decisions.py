@@ -1,0 +1,340 @@
+"""Pure decisions: rank assignment, recovery, failure reports, rank environment and command."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from launcher import failures, recovery
+from launcher.membership import Assignment, Member, assign_ranks
+from launcher.rank_env import Attempt, rank_command, rank_env
+
+# --- membership.assign_ranks ----------------------------------------------------------------
+
+
+def members(*spec: tuple[str, int]) -> list[Member]:
+    return [Member(node_id, lws, f"10.0.0.{i}") for i, (node_id, lws) in enumerate(spec)]
+
+
+def test_assign_ranks_contiguous_blocks_in_node_id_order():
+    result = assign_ranks(members(("b", 2), ("a", 4), ("c", 1)))
+    assert result == [
+        Assignment("a", 0, 3, 0, 7),
+        Assignment("b", 1, 3, 4, 7),
+        Assignment("c", 2, 3, 6, 7),
+    ]
+
+
+def test_assign_ranks_empty():
+    assert assign_ranks([]) == []
+
+
+def test_assign_ranks_keeps_previous_group_ranks():
+    previous = {"c": 0, "a": 1, "b": 2}
+    result = assign_ranks(members(("a", 1), ("b", 2), ("c", 3)), previous)
+    assert {a.node_id: a.group_rank for a in result} == previous
+    assert [(a.node_id, a.rank_offset) for a in result] == [("c", 0), ("a", 3), ("b", 4)]
+
+
+def test_assign_ranks_newcomers_after_old_members():
+    previous = {"z": 0, "y": 1}
+    result = assign_ranks(members(("a", 1), ("y", 1), ("b", 1), ("z", 1)), previous)
+    assert [a.node_id for a in result] == ["z", "y", "a", "b"]
+    assert [a.group_rank for a in result] == [0, 1, 2, 3]
+
+
+def test_assign_ranks_departed_member_closes_the_gap():
+    previous = {"a": 0, "b": 1, "c": 2}
+    result = assign_ranks(members(("c", 2), ("a", 2), ("d", 2)), previous)
+    assert [(a.node_id, a.group_rank, a.rank_offset) for a in result] == [
+        ("a", 0, 0), ("c", 1, 2), ("d", 2, 4)]
+    assert all(a.group_world_size == 3 and a.world_size == 6 for a in result)
+
+
+node_ids = st.lists(st.text(alphabet="abcdefgh", min_size=1, max_size=3), min_size=0, max_size=8,
+                    unique=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(node_ids, st.data())
+def test_assign_ranks_properties(ids, data):
+    group = [Member(n, data.draw(st.integers(1, 8)), "x") for n in ids]
+    result = assign_ranks(group)
+    # deterministic, whatever order the members arrive in
+    shuffled = data.draw(st.permutations(group))
+    assert assign_ranks(list(shuffled)) == result
+    # contiguous, non-overlapping rank blocks covering 0..world_size-1
+    sizes = {m.node_id: m.local_world_size for m in group}
+    world = sum(sizes.values())
+    offset = 0
+    for i, a in enumerate(result):
+        assert (a.group_rank, a.group_world_size, a.world_size) == (i, len(group), world)
+        assert a.rank_offset == offset
+        offset += sizes[a.node_id]
+    assert offset == world
+    assert sorted(a.node_id for a in result) == sorted(ids)
+
+    # next round: some leave, newcomers join; survivors keep their relative order, first
+    previous = {a.node_id: a.group_rank for a in result}
+    survivors = [m for m in group if data.draw(st.booleans())]
+    newcomers = [Member(n, 1, "y") for n in data.draw(node_ids) if n not in sizes]
+    second = assign_ranks(random.Random(0).sample(survivors + newcomers,
+                                                  len(survivors) + len(newcomers)), previous)
+    order = [a.node_id for a in second]
+    assert order[:len(survivors)] == sorted((m.node_id for m in survivors), key=previous.get)
+    assert order[len(survivors):] == sorted(m.node_id for m in newcomers)
+    # same members again: every group rank is kept
+    if not newcomers and len(survivors) == len(group):
+        assert {a.node_id: a.group_rank for a in second} == previous
+
+
+# --- recovery ------------------------------------------------------------------------------
+
+
+def test_backoff_delay_schedule():
+    delays = [recovery.backoff_delay(n, 1.5, 10.0) for n in range(1, 8)]
+    assert delays == [0.0, 1.5, 3.0, 6.0, 10.0, 10.0, 10.0]
+    assert recovery.backoff_delay(0, 1.5, 10.0) == 0.0
+    assert recovery.backoff_delay(2, 0.0, 10.0) == 0.0
+    assert recovery.backoff_delay(5, 1.0, 0.5) == 0.5
+
+
+def test_decide_restarts_while_budget_lasts_then_fails():
+    count, decisions = 0, []
+    while True:
+        d = recovery.decide(count, 4, "cold", "rank 0 died", backoff=2.0, backoff_max=5.0)
+        decisions.append(d)
+        if d.action == "fail":
+            break
+        assert d.restart_count == count + 1
+        count = d.restart_count
+        assert len(decisions) < 10
+    assert [d.action for d in decisions] == ["restart"] * 4 + ["fail"]
+    assert [d.delay for d in decisions[:4]] == [0.0, 2.0, 4.0, 5.0]
+    assert [d.restart_count for d in decisions] == [1, 2, 3, 4, 4]
+    assert all(d.policy == "cold" for d in decisions)
+    assert decisions[0].reason == "rank 0 died"
+    fail = decisions[-1]
+    assert fail.delay == 0.0
+    assert "rank 0 died" in fail.reason and "4/4" in fail.reason
+
+
+def test_decide_zero_budget_fails_at_once():
+    d = recovery.decide(0, 0, "cold", "boom")
+    assert (d.action, d.restart_count, d.delay) == ("fail", 0, 0.0)
+
+
+def test_decide_default_backoff():
+    assert recovery.decide(1, 3, "cold", "x").delay == 1.0
+    assert recovery.decide(2, 100, "cold", "x").delay == 2.0
+    assert recovery.decide(40, 100, "cold", "x").delay == 30.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 50), st.integers(0, 50), st.floats(0, 100), st.floats(0, 100))
+def test_decide_properties(count, budget, base, cap):
+    d = recovery.decide(count, budget, "cold", "c", base, cap)
+    if count < budget:
+        assert d.action == "restart" and d.restart_count == count + 1
+        assert d.delay == recovery.backoff_delay(count + 1, base, cap)
+        assert 0.0 <= d.delay <= max(cap, 0.0)
+    else:
+        assert d.action == "fail" and d.restart_count == count and d.delay == 0.0
+
+
+# --- failures ------------------------------------------------------------------------------
+
+ERROR_FILE = {"message": {"message": "RuntimeError: boom",
+                          "extraInfo": {"py_callstack": "Traceback (most recent call last):\n"
+                                                        '  File "train.py", line 3\n'
+                                                        "RuntimeError: boom\n",
+                                        "timestamp": "1700000000"}}}
+
+
+def test_failure_from_exit_code_and_torchrun_error_file(tmp_path):
+    path = tmp_path / "error.json"
+    path.write_text(json.dumps(ERROR_FILE))
+    f = failures.from_returncode(3, 1, 4242, 1, str(path))
+    assert (f.rank, f.local_rank, f.pid, f.exit_code, f.signal) == (3, 1, 4242, 1, "")
+    assert f.error_file == str(path)
+    assert f.message == "RuntimeError: boom"
+    assert f.traceback.startswith("Traceback (most recent call last):")
+    assert f.time == 1700000000.0
+    assert f.how == "exited with code 1"
+    assert f.cause == "exited with code 1: RuntimeError: boom"
+    lines = failures.summary(f).splitlines()
+    assert lines == [
+        "root cause: rank 3 (local rank 1, pid 4242) exited with code 1",
+        "  error: RuntimeError: boom",
+        "  traceback:",
+        "    Traceback (most recent call last):",
+        '      File "train.py", line 3',
+        "    RuntimeError: boom",
+    ]
+
+
+def test_failure_from_signal_without_error_file(tmp_path):
+    missing = str(tmp_path / "none.json")
+    before = time.time()
+    f = failures.from_returncode(0, 0, 99, -signal.SIGKILL, missing)
+    assert before <= f.time <= time.time()
+    assert (f.exit_code, f.signal) == (None, "SIGKILL")
+    assert f.message == f.traceback == ""
+    assert f.how == f.cause == "was killed by SIGKILL"
+    text = failures.summary(f)
+    assert text.splitlines()[0] == "root cause: rank 0 (local rank 0, pid 99) was killed by SIGKILL"
+    assert "no error file" in text and missing in text
+
+
+def test_failure_from_signal_with_error_file(tmp_path):
+    path = tmp_path / "error.json"
+    path.write_text(json.dumps(ERROR_FILE))
+    f = failures.from_returncode(2, 0, 7, -signal.SIGTERM, str(path))
+    assert f.signal == "SIGTERM" and f.exit_code is None
+    assert f.cause == "was killed by SIGTERM: RuntimeError: boom"
+
+
+def test_failure_unknown_signal_number(tmp_path):
+    f = failures.from_returncode(0, 0, 1, -200, str(tmp_path / "none"))
+    assert f.signal == "signal 200"
+    assert f.how == "was killed by signal 200"
+
+
+def test_failure_plain_string_message(tmp_path):
+    path = tmp_path / "error.json"
+    path.write_text(json.dumps({"message": "ValueError: plain"}))
+    f = failures.from_returncode(0, 0, 1, 2, str(path))
+    assert (f.message, f.traceback, f.exit_code) == ("ValueError: plain", "", 2)
+    summary = failures.summary(f)
+    assert "  error: ValueError: plain" in summary and "traceback" not in summary
+    assert "no error file" not in summary
+
+
+@pytest.mark.parametrize("content", ["", "not json", "[]", '{"other": 1}', '{"message": 5}',
+                                     '{"message": {"extraInfo": "x"}}'])
+def test_failure_unreadable_error_file_is_ignored(content, tmp_path):
+    path = tmp_path / "error.json"
+    path.write_text(content)
+    f = failures.from_returncode(0, 0, 1, 1, str(path))
+    assert f.exit_code == 1 and f.message == "" and f.traceback == ""
+    assert "no error file" in failures.summary(f)
+
+
+# --- rank_env / rank_command ---------------------------------------------------------------
+
+TORCHRUN_VARS = {
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    # torchrun puts this one in its own environment (torch/distributed/launcher/api.py), so
+    # its ranks inherit it
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
+}
+
+
+def attempt(**overrides) -> Attempt:
+    """Node 1 of a 2-node job, 4 ranks per node, on its 3rd start."""
+    values = dict(run_id="job7", role="trainer", group_rank=1, group_world_size=2, rank_offset=4,
+                  world_size=8, local_world_size=4, master_addr="10.0.0.1", master_port=29500,
+                  restart_count=2, max_restarts=5, signals_to_handle="SIGTERM,SIGUSR1")
+    return Attempt(**{**values, **overrides})
+
+
+def test_rank_env_exact_torchrun_variables():
+    env = rank_env(attempt(), 3, "/logs/err.json", base={})
+    # ftlaunch may add its own FTLAUNCH_* variables; everything else is torchrun's, exactly
+    own = {k: v for k, v in env.items() if k.startswith("FTLAUNCH_")}
+    theirs = {k: v for k, v in env.items() if not k.startswith("FTLAUNCH_")}
+    assert set(theirs) == TORCHRUN_VARS | {"OMP_NUM_THREADS"}
+    assert all(v == "job7" for k, v in own.items() if k.endswith("RUN_ID"))
+    assert theirs == {
+        "RANK": "7", "LOCAL_RANK": "3", "GROUP_RANK": "1", "ROLE_RANK": "7",
+        "ROLE_NAME": "trainer", "LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8",
+        "GROUP_WORLD_SIZE": "2", "ROLE_WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "5", "TORCHELASTIC_RUN_ID": "job7",
+        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_ERROR_FILE": "/logs/err.json",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": "1",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGUSR1",
+    }
+
+
+@pytest.mark.parametrize("local_rank", range(4))
+def test_rank_is_offset_plus_local_rank(local_rank):
+    for group_rank, offset in ((0, 0), (1, 4)):
+        env = rank_env(attempt(group_rank=group_rank, rank_offset=offset), local_rank, "e",
+                       base={})
+        assert env["RANK"] == env["ROLE_RANK"] == str(offset + local_rank)
+        assert env["LOCAL_RANK"] == str(local_rank)
+        assert env["GROUP_RANK"] == str(group_rank)
+
+
+def test_all_values_are_strings():
+    env = rank_env(attempt(), 0, "e", base={})
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+
+
+def test_omp_threads_only_when_several_local_ranks():
+    assert "OMP_NUM_THREADS" not in rank_env(attempt(local_world_size=1, world_size=2), 0, "e",
+                                             base={})
+    assert rank_env(attempt(), 0, "e", base={})["OMP_NUM_THREADS"] == "1"
+    assert rank_env(attempt(), 0, "e", base={"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "8"
+
+
+def test_base_env_kept_and_torchrun_vars_overwritten():
+    base = {"PATH": "/bin", "RANK": "99", "WORLD_SIZE": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    env = rank_env(attempt(), 1, "e", base=base)
+    assert env["PATH"] == "/bin"
+    assert env["RANK"] == "5" and env["WORLD_SIZE"] == "8"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    assert base == {"PATH": "/bin", "RANK": "99", "WORLD_SIZE": "1",
+                    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+
+
+def test_default_base_is_process_env_and_is_not_mutated(monkeypatch):
+    monkeypatch.setenv("FTLAUNCH_TEST_MARKER", "yes")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    env = rank_env(attempt(), 0, "e")
+    assert env["FTLAUNCH_TEST_MARKER"] == "yes"
+    assert env["OMP_NUM_THREADS"] == "1" and env["RANK"] == "4"
+    assert "RANK" not in os.environ and "OMP_NUM_THREADS" not in os.environ
+
+
+def test_rank_command_script(monkeypatch):
+    monkeypatch.delenv("PYTHON_EXEC", raising=False)
+    assert rank_command("train.py", ["--lr", "1"]) == [sys.executable, "-u", "train.py", "--lr",
+                                                       "1"]
+
+
+def test_rank_command_module(monkeypatch):
+    monkeypatch.delenv("PYTHON_EXEC", raising=False)
+    assert rank_command("pkg.train", ["-x"], module=True) == [sys.executable, "-u", "-m",
+                                                              "pkg.train", "-x"]
+
+
+def test_rank_command_no_python(monkeypatch):
+    monkeypatch.setenv("PYTHON_EXEC", "/should/not/be/used")
+    assert rank_command("./run.sh", ["a", "b"], no_python=True) == ["./run.sh", "a", "b"]
+
+
+def test_rank_command_python_exec_override(monkeypatch):
+    monkeypatch.setenv("PYTHON_EXEC", "/opt/py/bin/python3")
+    assert rank_command("train.py", []) == ["/opt/py/bin/python3", "-u", "train.py"]
+    assert rank_command("m", [], module=True) == ["/opt/py/bin/python3", "-u", "-m", "m"]
+
+
+def test_rank_command_does_not_alias_args():
+    args = ["--a"]
+    cmd = rank_command("train.py", args)
+    cmd.append("--b")
+    assert args == ["--a"]

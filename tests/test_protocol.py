@@ -1,0 +1,357 @@
+"""Control-plane codec: round trips, and everything forged, replayed or malformed is refused."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from launcher.protocol import MAX_BYTES, SCHEMA, VERSION, Codec, Message, ProtocolError
+
+SECRET = b"s" * 32
+OTHER_SECRET = b"o" * 32
+
+SAMPLE = {int: 7, str: "node-a", (int, float): 1.5, (int, type(None)): None}
+
+
+def valid_fields(kind: str) -> dict:
+    return {name: SAMPLE[expected] for name, expected in SCHEMA[kind].items()}
+
+
+def sign(body: bytes, secret: bytes = SECRET) -> list[bytes]:
+    return [body, hmac.new(secret, body, hashlib.sha256).digest()]
+
+
+def envelope(**overrides) -> dict:
+    return {"v": VERSION, "type": "finished", "epoch": 3, "sid": "abcd", "seq": 1, "ts": 1.0,
+            **overrides}
+
+
+def finished(**overrides) -> dict:
+    """A valid ``finished`` body (before signing), with ``overrides`` applied."""
+    return {**envelope(), "node_id": "n0", **overrides}
+
+
+def signed(data) -> list[bytes]:
+    return sign(msgpack.packb(data))
+
+
+# --- round trips ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", list(SCHEMA))
+def test_round_trip_every_type(kind):
+    sender, receiver = Codec(SECRET), Codec(SECRET)
+    fields = valid_fields(kind)
+    frames = sender.encode(kind, 5, **fields)
+    assert len(frames) == 2 and all(isinstance(f, bytes) for f in frames)
+    msg = receiver.decode(frames)
+    assert isinstance(msg, Message)
+    assert (msg.type, msg.epoch, msg.fields) == (kind, 5, fields)
+    for name, value in fields.items():
+        assert msg[name] == value
+
+
+@pytest.mark.parametrize("value", [None, 0, -15, 137])
+def test_failure_exit_code_is_optional_int(value):
+    fields = {**valid_fields("failure"), "exit_code": value}
+    msg = Codec(SECRET).decode(Codec(SECRET).encode("failure", 0, **fields))
+    assert msg["exit_code"] == value
+
+
+@pytest.mark.parametrize("delay", [0, 2, 0.25])
+def test_recover_delay_accepts_int_and_float(delay):
+    fields = {**valid_fields("recover"), "delay": delay}
+    assert Codec(SECRET).decode(Codec(SECRET).encode("recover", 1, **fields))["delay"] == delay
+
+
+def test_hand_built_signed_message_decodes():
+    msg = Codec(SECRET).decode(signed(finished()))
+    assert msg == Message("finished", 3, {"node_id": "n0"})
+
+
+def test_envelope_keys_are_not_fields():
+    msg = Codec(SECRET).decode(Codec(SECRET).encode("finished", 2, node_id="x"))
+    assert set(msg.fields) == {"node_id"}
+
+
+def test_many_messages_in_order_from_one_sender():
+    sender, receiver = Codec(SECRET), Codec(SECRET)
+    for i in range(5):
+        assert receiver.decode(sender.encode("finished", i, node_id=str(i))).epoch == i
+
+
+def test_independent_senders_do_not_collide():
+    a, b, receiver = Codec(SECRET), Codec(SECRET), Codec(SECRET)
+    receiver.decode(a.encode("finished", 0, node_id="a"))
+    receiver.decode(b.encode("finished", 0, node_id="b"))  # b's seq 1 is not a replay of a's
+    receiver.decode(a.encode("finished", 0, node_id="a"))
+
+
+def test_short_secret_refused():
+    with pytest.raises(ValueError):
+        Codec(b"x" * 15)
+    Codec(b"x" * 16)
+
+
+# --- refusals --------------------------------------------------------------------------------
+
+
+def test_wrong_secret():
+    frames = Codec(OTHER_SECRET).encode("finished", 0, node_id="n")
+    with pytest.raises(ProtocolError, match="signature"):
+        Codec(SECRET).decode(frames)
+
+
+def test_tampered_body():
+    body, mac = Codec(SECRET).encode("stop", 0, exit_code=0, reason="done")
+    tampered = body.replace(b"done", b"dona")
+    assert tampered != body
+    with pytest.raises(ProtocolError, match="signature"):
+        Codec(SECRET).decode([tampered, mac])
+
+
+def test_tampered_mac():
+    body, mac = Codec(SECRET).encode("stop", 0, exit_code=0, reason="done")
+    for bad in (mac[:-1] + bytes([mac[-1] ^ 1]), mac[:-1], b"", mac + b"\0"):
+        with pytest.raises(ProtocolError, match="signature"):
+            Codec(SECRET).decode([body, bad])
+
+
+def test_replayed_frames():
+    sender, receiver = Codec(SECRET), Codec(SECRET)
+    frames = sender.encode("finished", 0, node_id="n")
+    receiver.decode(frames)
+    with pytest.raises(ProtocolError, match="replayed"):
+        receiver.decode(frames)
+    with pytest.raises(ProtocolError, match="replayed"):
+        receiver.decode(list(frames))
+
+
+def test_out_of_order_older_message_is_a_replay():
+    sender, receiver = Codec(SECRET), Codec(SECRET)
+    first = sender.encode("finished", 0, node_id="n")
+    second = sender.encode("finished", 0, node_id="n")
+    receiver.decode(second)
+    with pytest.raises(ProtocolError, match="replayed"):
+        receiver.decode(first)
+
+
+def test_rejected_message_does_not_advance_sequence():
+    receiver = Codec(SECRET)
+    with pytest.raises(ProtocolError):
+        receiver.decode(signed(finished(seq=5, node_id=1)))  # wrong field type
+    assert receiver.decode(signed(finished(seq=5))).type == "finished"
+
+
+@pytest.mark.parametrize("version", [0, 2, None, "1"])
+def test_wrong_version(version):
+    with pytest.raises(ProtocolError, match="version"):
+        Codec(SECRET).decode(signed(finished(v=version)))
+
+
+def test_missing_version():
+    data = finished()
+    del data["v"]
+    with pytest.raises(ProtocolError, match="version"):
+        Codec(SECRET).decode(signed(data))
+
+
+@pytest.mark.parametrize("kind", ["shutdown", "", None, 3, ["join"]])
+def test_unknown_type(kind):
+    with pytest.raises(ProtocolError, match="unknown message type"):
+        Codec(SECRET).decode(signed(finished(type=kind)))
+
+
+def test_encode_refuses_unknown_type():
+    with pytest.raises(ProtocolError, match="unknown message type"):
+        Codec(SECRET).encode("shutdown", 0)
+
+
+@pytest.mark.parametrize("kind", list(SCHEMA))
+def test_missing_field(kind):
+    fields = valid_fields(kind)
+    fields.pop(next(iter(fields)))
+    with pytest.raises(ProtocolError):
+        Codec(SECRET).encode(kind, 0, **fields)
+    with pytest.raises(ProtocolError, match="fields"):
+        Codec(SECRET).decode(signed({**envelope(type=kind), **fields}))
+
+
+@pytest.mark.parametrize("kind", list(SCHEMA))
+def test_extra_field(kind):
+    fields = {**valid_fields(kind), "extra": 1}
+    with pytest.raises(ProtocolError):
+        Codec(SECRET).encode(kind, 0, **fields)
+    with pytest.raises(ProtocolError, match="fields"):
+        Codec(SECRET).decode(signed({**envelope(type=kind), **fields}))
+
+
+WRONG_TYPES = [
+    ("join", "local_world_size", True),
+    ("join", "local_world_size", False),
+    ("join", "local_world_size", "4"),
+    ("join", "local_world_size", 4.0),
+    ("join", "node_id", 5),
+    ("join", "addr", None),
+    ("join", "addr", b"bytes"),
+    ("assign", "world_size", True),
+    ("assign", "group_rank", [0]),
+    ("failure", "exit_code", True),
+    ("failure", "exit_code", 1.5),
+    ("failure", "exit_code", "1"),
+    ("recover", "delay", True),
+    ("recover", "delay", "1.0"),
+    ("recover", "delay", None),
+    ("stop", "reason", {"a": 1}),
+    ("store_ready", "master_port", 29500.0),
+]
+
+
+@pytest.mark.parametrize("kind, name, value", WRONG_TYPES)
+def test_wrong_field_type(kind, name, value):
+    fields = {**valid_fields(kind), name: value}
+    with pytest.raises(ProtocolError, match="wrong type"):
+        Codec(SECRET).encode(kind, 0, **fields)
+    with pytest.raises(ProtocolError, match="wrong type"):
+        Codec(SECRET).decode(signed({**envelope(type=kind), **fields}))
+
+
+@pytest.mark.parametrize("key, value", [("epoch", "1"), ("epoch", None), ("seq", 1.0),
+                                        ("seq", None), ("sid", 5), ("sid", None)])
+def test_bad_envelope(key, value):
+    with pytest.raises(ProtocolError, match="envelope"):
+        Codec(SECRET).decode(signed(finished(**{key: value})))
+
+
+@pytest.mark.parametrize("key", ["v", "epoch", "seq"])
+def test_bool_in_envelope_rejected(key):
+    with pytest.raises(ProtocolError):
+        Codec(SECRET).decode(signed(finished(**{key: True})))
+
+
+def test_oversize_body():
+    frames = signed(finished(node_id="x" * MAX_BYTES))
+    assert len(frames[0]) > MAX_BYTES
+    with pytest.raises(ProtocolError, match="exceeds"):
+        Codec(SECRET).decode(frames)
+
+
+def test_body_at_limit_accepted():
+    base = len(msgpack.packb(finished(node_id="")))
+    pad = MAX_BYTES - base - 5  # str32 header may replace a fixstr header
+    frames = signed(finished(node_id="x" * pad))
+    assert len(frames[0]) <= MAX_BYTES
+    assert Codec(SECRET).decode(frames).type == "finished"
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 4])
+def test_wrong_frame_count(count):
+    body, mac = Codec(SECRET).encode("finished", 0, node_id="n")
+    frames = ([body, mac] + [b""] * 4)[:count]
+    with pytest.raises(ProtocolError, match="frames"):
+        Codec(SECRET).decode(frames)
+
+
+@pytest.mark.parametrize("data", [[1, 2], "finished", 1, None, b"raw", True])
+def test_non_map_body(data):
+    with pytest.raises(ProtocolError, match="not a map"):
+        Codec(SECRET).decode(signed(data))
+
+
+@pytest.mark.parametrize("body", [b"", b"\xc1", b"\x81", b"\xa5ab", b"\x80\x80",
+                                  b"\x81\x01\x02", b"\xa2\xff\xfe"])
+def test_garbage_signed_body(body):
+    with pytest.raises(ProtocolError, match="undecodable"):
+        Codec(SECRET).decode(sign(body))
+
+
+def test_garbage_unsigned():
+    with pytest.raises(ProtocolError):
+        Codec(SECRET).decode([b"\x00garbage", b"not a mac"])
+
+
+# --- properties ------------------------------------------------------------------------------
+
+msgpack_scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+                   | st.floats() | st.text(max_size=20) | st.binary(max_size=20))
+msgpack_values = st.recursive(
+    msgpack_scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=3),
+    max_leaves=8,
+)
+ALL_FIELD_NAMES = sorted({name for fields in SCHEMA.values() for name in fields})
+keys = (st.sampled_from(["v", "type", "epoch", "sid", "seq", "ts", *ALL_FIELD_NAMES])
+        | st.text(max_size=8) | st.binary(max_size=4) | st.integers(-5, 5))
+envelope_values = {
+    "v": st.just(VERSION) | msgpack_values,
+    "type": st.sampled_from(list(SCHEMA)) | msgpack_values,
+    "epoch": st.integers(-5, 5) | msgpack_values,
+    "sid": st.text(max_size=4) | msgpack_values,
+    "seq": st.integers(-5, 5) | msgpack_values,
+}
+PROPERTY_SETTINGS = settings(max_examples=100, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY_SETTINGS
+@given(st.lists(st.binary(max_size=200), max_size=4))
+def test_decode_arbitrary_frames_only_raises_protocol_error(frames):
+    with pytest.raises(ProtocolError):
+        Codec(SECRET).decode(frames)
+
+
+@PROPERTY_SETTINGS
+@given(st.fixed_dictionaries({}, optional=envelope_values),
+       st.dictionaries(keys, msgpack_values, max_size=6))
+def test_decode_signed_arbitrary_map(env, extra):
+    body = msgpack.packb({**extra, **env})
+    try:
+        msg = Codec(SECRET).decode(sign(body))
+    except ProtocolError:
+        return
+    assert isinstance(msg, Message)
+    assert msg.type in SCHEMA
+    assert set(msg.fields) == set(SCHEMA[msg.type])
+
+
+field_values = {
+    int: st.integers(-(2**63), 2**63 - 1),
+    str: st.text(max_size=50),
+    (int, float): st.integers(-(2**31), 2**31) | st.floats(allow_nan=False),
+    (int, type(None)): st.none() | st.integers(-255, 255),
+}
+
+
+@st.composite
+def messages(draw):
+    kind = draw(st.sampled_from(list(SCHEMA)))
+    fields = {name: draw(field_values[expected]) for name, expected in SCHEMA[kind].items()}
+    return kind, draw(st.integers(0, 2**31)), fields
+
+
+@PROPERTY_SETTINGS
+@given(messages())
+def test_round_trip_property(message):
+    kind, epoch, fields = message
+    msg = Codec(SECRET).decode(Codec(SECRET).encode(kind, epoch, **fields))
+    assert msg == Message(kind, epoch, fields)
+
+
+@PROPERTY_SETTINGS
+@given(messages(), st.data())
+def test_any_single_byte_flip_is_refused(message, data):
+    kind, epoch, fields = message
+    body, mac = Codec(SECRET).encode(kind, epoch, **fields)
+    which = data.draw(st.sampled_from(["body", "mac"]))
+    frame = bytearray(body if which == "body" else mac)
+    i = data.draw(st.integers(0, len(frame) - 1))
+    frame[i] ^= data.draw(st.integers(1, 255))
+    frames = [bytes(frame), mac] if which == "body" else [body, bytes(frame)]
+    with pytest.raises(ProtocolError, match="signature"):
+        Codec(SECRET).decode(frames)
