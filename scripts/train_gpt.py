@@ -6,6 +6,10 @@ killed-and-resumed run end bit-identical to an uninterrupted one, and env-contro
 fault injection (TRAIN_FAULT_RANK / TRAIN_FAULT_STEP / TRAIN_FAULT_KIND) that fires only
 in the first attempt (TORCHELASTIC_RESTART_COUNT unset or "0").
 
+Note: with torch's own torchrun (torch 2.13), gloo workers restarted via --max-restarts hang
+or fail in connectFullMesh on stale keys in the shared rendezvous TCPStore
+(pytorch/pytorch#135712, #167288); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to avoid it.
+
     python scripts/train_gpt.py --steps 20
     torchrun --standalone --nproc-per-node 2 scripts/train_gpt.py --ckpt-dir /tmp/ck --out r.json
 """
@@ -146,7 +150,7 @@ def main():
 
     torch.manual_seed(args.seed)
     model = TinyGPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
     start = 0
     ckpt_path = os.path.join(args.ckpt_dir, "ckpt.pt") if args.ckpt_dir else None
     if ckpt_path and os.path.exists(ckpt_path):
