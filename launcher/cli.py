@@ -136,6 +136,12 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as e:
         print(f"ftlaunch: error: {e}", file=sys.stderr)
         sys.exit(exit_codes.USAGE)
-    sys.exit(agent.run())
+    code = agent.run()
+    # Exit now: a daemon thread may still be importing torch for a store nobody needs, and
+    # interpreter shutdown would wait for it. Everything the agent owns is already closed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 

@@ -81,6 +81,8 @@ class Coordinator:
                     self._handle(frames[0], self._codec.decode(frames[1:]))
                 except ProtocolError as e:
                     log.warning("dropped control message: %s", e)
+                except Exception:  # a bug must not silently stop the job's only decider
+                    log.exception("coordinator failed to handle a message")
             self._tick(time.monotonic())
 
     def _send(self, identity: bytes, kind: str, **fields) -> None:

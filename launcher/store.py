@@ -7,9 +7,13 @@ so the port can be announced before torch is imported; torch serves it when it i
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import threading
 from datetime import timedelta
+
+log = logging.getLogger("ftlaunch.store")
 
 
 class AgentStore:
@@ -24,20 +28,27 @@ class AgentStore:
         self.port = sock.getsockname()[1]
         self._fd = sock.detach()  # TCPStore takes ownership and closes it
         self._store = None
-        self._ready = threading.Event()
+        self._closed = False
+        self._lock = threading.Lock()
         threading.Thread(target=self._serve, name="ftlaunch-store", daemon=True).start()
 
     def _serve(self) -> None:
-        from torch.distributed import TCPStore  # the slow import overlaps with rank start-up
+        try:
+            from torch.distributed import TCPStore  # the slow import overlaps with rank start-up
 
-        self._store = TCPStore(self.addr, self.port, None, True, timedelta(seconds=300),
-                               wait_for_workers=False, master_listen_fd=self._fd, use_libuv=True)
-        self._ready.set()
-
-    def wait_ready(self, timeout: float) -> bool:
-        return self._ready.wait(timeout)
+            store = TCPStore(self.addr, self.port, None, True, timedelta(seconds=300),
+                             wait_for_workers=False, master_listen_fd=self._fd, use_libuv=True)
+        except Exception:  # ranks time out connecting, fail, and the next attempt retries
+            log.exception("could not serve torch's store on %s:%d", self.addr, self.port)
+            os.close(self._fd)
+            return
+        with self._lock:
+            if not self._closed:
+                self._store = store
+        del store  # closed before it was ready: served nothing, dropped here
 
     def close(self) -> None:
-        """Stop serving (after the attempt's ranks are gone)."""
-        self._ready.wait(60)
-        self._store = None
+        """Stop serving (after the attempt's ranks are gone); never waits for torch's import."""
+        with self._lock:
+            self._closed = True
+            self._store = None
