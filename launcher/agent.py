@@ -23,7 +23,7 @@ import zmq
 from launcher import UsageError, exit_codes, failures
 from launcher.config import LaunchConfig
 from launcher.coordinator import Coordinator, JobState
-from launcher.events import EventLog
+from launcher.events import EventLog, PhaseClock
 from launcher.orphan_guard import OrphanGuard
 from launcher.protocol import Codec, Message, ProtocolError
 from launcher.rank_env import Attempt, rank_command
@@ -60,7 +60,7 @@ class Agent:
         self.store: AgentStore | None = None
         self.workers: WorkerGroup | None = None
         self.first_failure: failures.RankFailure | None = None
-        self.recovery_started: float | None = None
+        self.recovery: PhaseClock | None = None  # set from a failure until ranks are back
         self.rejoin_at: float | None = None
         self.shutdown_signal: int | None = None
         self.kill_at: float | None = None
@@ -107,6 +107,8 @@ class Agent:
                 self.store = AgentStore(self.addr, self.config.master_port)
                 self._send("store_ready", master_addr=self.addr, master_port=self.store.port)
         elif msg.type == "start" and self.shutdown_signal is None:
+            if self.recovery is not None:
+                self.recovery.mark("rendezvous")
             self._start_ranks(msg)
         elif msg.type == "recover":
             self._recover(msg)
@@ -125,12 +127,13 @@ class Agent:
         for fd in self.workers.fds():
             self.poller.register(fd, zmq.POLLIN)
         self.first_failure = None
-        if self.recovery_started is not None:
-            took = time.monotonic() - self.recovery_started
+        if self.recovery is not None:
+            self.recovery.mark("spawn")
             self.events.emit("recovered", f"restart {attempt.restart_count}: ranks restarted "
-                             f"{took:.2f}s after the failure", restart_count=attempt.restart_count,
-                             seconds=took, policy=self.config.restart_policy)
-            self.recovery_started = None
+                             f"{self.recovery.total:.2f}s after the failure",
+                             restart_count=attempt.restart_count, seconds=self.recovery.total,
+                             policy=self.config.restart_policy, phases=self.recovery.phases)
+            self.recovery = None
         else:
             self.events.emit("started", f"started {self.local_world_size} ranks "
                              f"(world size {attempt.world_size}, run {self.run_id}, logs "
@@ -138,13 +141,14 @@ class Agent:
 
     def _recover(self, msg: Message) -> None:
         """Cold policy: stop every rank, drop the store, re-join for a fresh round."""
-        t0 = time.monotonic()
+        self.recovery = self.recovery or PhaseClock()
+        self.recovery.mark("decide")
         self._stop_ranks(self.config.stop_timeout)
+        self.recovery.mark("stop")
         self.events.emit("recovering", f"{msg['cause']} -> {msg['policy']} restart "
                          f"{msg['restart_count']}/{self.config.max_restarts}",
                          cause=msg["cause"], policy=msg["policy"],
-                         restart_count=msg["restart_count"], stop_seconds=time.monotonic() - t0,
-                         delay=msg["delay"])
+                         restart_count=msg["restart_count"], delay=msg["delay"])
         self.rejoin_at = time.monotonic() + msg["delay"]
 
     def _finish(self, exit_code: int, reason: str) -> None:
@@ -174,7 +178,7 @@ class Agent:
             return
         if self.first_failure is None:
             self.first_failure = exit_.failure
-            self.recovery_started = time.monotonic()
+            self.recovery = PhaseClock()
             self.events.emit("rank_failed", f"rank {exit_.rank} {exit_.failure.cause}",
                              rank=exit_.rank, local_rank=exit_.local_rank,
                              exit_code=exit_.failure.exit_code, signal=exit_.failure.signal)
@@ -202,6 +206,8 @@ class Agent:
     def _on_timers(self, now: float) -> None:
         if self.rejoin_at is not None and now >= self.rejoin_at:
             self.rejoin_at = None
+            if self.recovery is not None:
+                self.recovery.mark("backoff")
             self._send("join", node_id=self.node_id, local_world_size=self.local_world_size,
                        addr=self.addr)
         if self.kill_at is not None and now >= self.kill_at and self.workers is not None:

@@ -26,3 +26,20 @@ class EventLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+class PhaseClock:
+    """Times the phases of one recovery: ``mark("stop")`` ends the phase named "stop"."""
+
+    def __init__(self) -> None:
+        self._start = self._last = time.monotonic()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.phases[phase] = round(now - self._last, 4)
+        self._last = now
+
+    @property
+    def total(self) -> float:
+        return self._last - self._start

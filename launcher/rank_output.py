@@ -46,8 +46,11 @@ class Pump:
         lines = data.split(b"\n")
         self._partial = b"" if final else lines.pop()
         if self._console:
-            for line in lines if not final else [ln for ln in lines if ln]:
-                self._console.print(self._prefix + Text(line.decode(errors="replace")))
+            try:
+                for line in lines if not final else [ln for ln in lines if ln]:
+                    self._console.print(self._prefix + Text(line.decode(errors="replace")))
+            except BrokenPipeError:  # nobody reads our console any more; keep the job running
+                self._console = None
 
 
 class RankStreams:

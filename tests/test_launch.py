@@ -81,10 +81,19 @@ def test_kill9_of_a_rank_recovers_and_resumes_from_checkpoint(tmp_path, launch):
 @pytest.mark.parametrize("kind", ["exception", "segv", "exit"])
 def test_failed_rank_is_restarted(tmp_path, launch, kind):
     fault = {"TRAIN_FAULT_RANK": "0", "TRAIN_FAULT_STEP": "7", "TRAIN_FAULT_KIND": kind}
-    run, out = _train(launch, tmp_path, kind, env=fault)
+    run, out = _train(launch, tmp_path, kind, "--log-dir", str(tmp_path / "logs"), env=fault)
     assert run.finish() == 0, run.output
     assert json.loads(out.read_text())["restart_count"] == 1
     assert "rank 0 " in run.output and "cold restart 1/3" in run.output
+    (events_file,) = (tmp_path / "logs").glob("*/events.jsonl")
+    events = {e["event"]: e for e in map(json.loads, events_file.read_text().splitlines())}
+    assert events["rank_failed"]["rank"] == 0
+    assert events["recovering"]["cause"].startswith("rank 0 ")
+    recovered = events["recovered"]
+    assert recovered["policy"] == "cold" and recovered["restart_count"] == 1
+    assert list(recovered["phases"]) == ["decide", "stop", "backoff", "rendezvous", "spawn"]
+    assert recovered["seconds"] == pytest.approx(sum(recovered["phases"].values()), abs=0.01)
+    assert events["job_finished"]["exit_code"] == 0
 
 
 def test_exception_writes_error_file_and_root_cause(tmp_path, launch):
