@@ -38,7 +38,7 @@ class Agent:
         self.config = config
         self.local_world_size = config.local_world_size()
         min_nodes, max_nodes = config.node_range()
-        if max_nodes > 1 and not config.standalone:
+        if max_nodes > 1:
             raise UsageError(f"--nnodes {config.nnodes}: multi-node jobs are not supported yet; "
                              "run one node (--nnodes 1 or --standalone)")
         self.run_id = str(uuid.uuid4()) if config.standalone or config.rdzv_id == "none" \
