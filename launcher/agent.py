@@ -104,7 +104,12 @@ class Agent:
         if msg.type == "assign":
             self.assignment = msg
             if msg["group_rank"] == 0:  # the node holding torch's store for this attempt
-                self.store = AgentStore(self.addr, self.config.master_port)
+                try:
+                    self.store = AgentStore(self.addr, self.config.master_port)
+                except OSError as e:
+                    raise UsageError(f"cannot serve torch's store on {self.addr}:"
+                                     f"{self.config.master_port}: {e.strerror}; pick another "
+                                     "--master-port (0 = any free port) or --master-addr") from None
                 self._send("store_ready", master_addr=self.addr, master_port=self.store.port)
         elif msg.type == "start" and self.shutdown_signal is None:
             if self.recovery is not None:

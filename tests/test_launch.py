@@ -212,3 +212,16 @@ def test_tee_redirect_and_filter(tmp_path, launch):
     assert "out from 1" not in run.output
     assert "from 2" not in run.output  # filtered from the console
     assert (run_dir / "events.jsonl").exists()
+
+
+def test_master_port_in_use_is_a_usage_error(tmp_path, launch):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run = launch("--standalone", "--master-port", str(port), _write(tmp_path / "x.py", "pass\n"))
+        assert run.finish() == 2
+    (line,) = [ln for ln in run.lines if "error" in ln]
+    assert line.startswith("ftlaunch: error: cannot serve torch's store") and str(port) in line
