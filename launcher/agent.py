@@ -134,8 +134,9 @@ class Agent:
         self.first_failure = None
         if self.recovery is not None:
             self.recovery.mark("spawn")
-            self.events.emit("recovered", f"restart {attempt.restart_count}: ranks restarted "
-                             f"{self.recovery.total:.2f}s after the failure",
+            phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.recovery.phases.items())
+            self.events.emit("recovered", f"restart {attempt.restart_count}: new ranks spawned "
+                             f"{self.recovery.total:.2f}s after the failure ({phases})",
                              restart_count=attempt.restart_count, seconds=self.recovery.total,
                              policy=self.config.restart_policy, phases=self.recovery.phases)
             self.recovery = None

@@ -137,7 +137,7 @@ class Coordinator:
 
     def _on_failure(self, msg: Message) -> None:
         s = self._state
-        cause = f"rank {msg['rank']} on {msg['node_id']}: {msg['cause']}"
+        cause = f"rank {msg['rank']} (node {msg['node_id']}) {msg['cause']}"
         decision = recovery.decide(s.restart_count, s.max_restarts, s.policy, cause,
                                    s.backoff, s.backoff_max)
         if decision.action == "fail":

@@ -48,7 +48,10 @@ class Pump:
         if self._console:
             try:
                 for line in lines if not final else [ln for ln in lines if ln]:
-                    self._console.print(self._prefix + Text(line.decode(errors="replace")))
+                    text = line.decode(errors="replace")
+                    # torch prefixes its own tracebacks with "[rankN]: ": do not double it
+                    prefix = Text() if text.startswith(self._prefix.plain) else self._prefix
+                    self._console.print(prefix + Text(text))
             except BrokenPipeError:  # nobody reads our console any more; keep the job running
                 self._console = None
 

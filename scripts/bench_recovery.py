@@ -6,6 +6,7 @@ when it prints step --kill-step and times the phases of the recovery:
 
     launch -> first step   start-up: import torch, rendezvous, first DDP step
     kill -> detected       the launcher's first line about the failure
+    kill -> respawned      fork of the first new rank (its /proc start time, 10 ms ticks)
     kill -> ranks up       first new "start rank" line (re-import + init_process_group + ckpt)
     kill -> first step     first "step" line after the restart: the recovery time
 
@@ -40,6 +41,7 @@ STEP = re.compile(r"step (\d+) loss \S+ rank (\d+)")
 DETECT = re.compile(r"rank \d+ was killed|closing signal|failed \(exitcode")
 PHASES = [("launch_to_first_step", "launch -> first step"),
           ("kill_to_detected", "kill -> detected"),
+          ("kill_to_respawned", "kill -> ranks respawned"),
           ("kill_to_ranks_up", "kill -> ranks up"),
           ("kill_to_first_step", "kill -> first step (recovery)"),
           ("wall", "whole run")]
@@ -56,6 +58,15 @@ def launcher_command(name, nproc, run_dir):
     if name == "torchrun-default":
         return torchrun, {}
     raise ValueError(f"unknown launcher {name!r}")
+
+
+def started_at(pid):
+    """When ``pid`` was started, in CLOCK_BOOTTIME seconds (10 ms resolution), or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
 def read_lines(stream, out):
@@ -90,9 +101,10 @@ def run_once(name, args, run_dir):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     threading.Thread(target=read_lines, args=(proc.stdout, lines), daemon=True).start()
-    r = {"launcher": name, "completed": False, "timed_out": False, "returncode": None}
+    r = {"launcher": name, "completed": False, "timed_out": False, "returncode": None,
+         "loadavg_1m_before": os.getloadavg()[0]}
     t = dict.fromkeys(["first_step", "kill", "detected", "ranks_up", "step_after"])
-    victim = None
+    victim, respawned = None, []
     with open(run_dir / "output.log", "w") as log:
         while True:
             try:
@@ -106,13 +118,15 @@ def run_once(name, args, run_dir):
             start, step = START.search(line), STEP.search(line)
             if start and victim is None and start[1] == "1":
                 victim = int(start[2])
-            elif start and t["kill"] is not None and t["ranks_up"] is None:
-                t["ranks_up"], r["resume_from"] = now, int(start[3])
+            elif start and t["kill"] is not None and t["step_after"] is None:
+                respawned.append(started_at(int(start[2])))  # read while the rank is alive
+                if t["ranks_up"] is None:
+                    t["ranks_up"], r["resume_from"] = now, int(start[3])
             if step and t["first_step"] is None:
                 t["first_step"] = now
             if (step and t["kill"] is None and victim is not None and step[2] == "1"
                     and int(step[1]) == args.kill_step):
-                t["kill"] = time.monotonic()
+                t["kill"], kill_boottime = time.monotonic(), time.clock_gettime(time.CLOCK_BOOTTIME)
                 os.kill(victim, signal.SIGKILL)
             elif step and t["ranks_up"] is not None and t["step_after"] is None:
                 t["step_after"] = now
@@ -127,12 +141,29 @@ def run_once(name, args, run_dir):
                        ("step_after", "kill_to_first_step")):
         r[phase] = t[key] - t["kill"] if t[key] is not None and t["kill"] is not None else None
     r["killed"] = t["kill"] is not None
+    respawned = [b for b in respawned if b is not None]
+    r["kill_to_respawned"] = min(respawned) - kill_boottime if respawned else None
     for event_file in run_dir.glob("*/events.jsonl"):  # ftlaunch's own view of the recovery
         for event in map(json.loads, event_file.read_text().splitlines()):
             if event["event"] in ("recovering", "recovered"):
-                r[f"event_{event['event']}"] = event.get("stop_seconds", event.get("seconds"))
+                r[f"event_{event['event']}"] = {k: v for k, v in event.items()
+                                                if k not in ("event", "cause")}
     r["log"] = str(run_dir / "output.log")
     return r
+
+
+def cpu_model():
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def git_commit():
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                         text=True, check=False)
+    return out.stdout.strip() or "unknown"
 
 
 def fmt(values):
@@ -184,8 +215,10 @@ def main():
     import torch  # only for the record
 
     info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "torch": torch.__version__, "cpus": os.cpu_count(), "argv": sys.argv[1:]}
-    print(f"{info['date']}  torch {info['torch']}  {info['cpus']} CPUs  logs in {work}")
+            "torch": torch.__version__, "cpus": os.cpu_count(), "cpu": cpu_model(),
+            "commit": git_commit(), "argv": sys.argv[1:]}
+    print(f"{info['date']}  commit {info['commit']}  torch {info['torch']}  {info['cpus']} x "
+          f"{info['cpu']}\nlogs in {work}")
     runs = []
     for rep in range(args.reps):
         for name in launchers if rep % 2 == 0 else launchers[::-1]:
