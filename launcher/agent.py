@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import signal
 import socket
 import sys
@@ -22,10 +21,11 @@ import zmq
 
 from launcher import UsageError, exit_codes, failures
 from launcher.config import LaunchConfig
-from launcher.coordinator import Coordinator, JobState
+from launcher.control_plane import ControlPlane, job_secret, outgoing_addr
+from launcher.coordinator import JobState
 from launcher.events import EventLog, PhaseClock
 from launcher.orphan_guard import OrphanGuard
-from launcher.protocol import Codec, Message, ProtocolError
+from launcher.protocol import Message
 from launcher.rank_env import Attempt, rank_command
 from launcher.store import AgentStore
 from launcher.workers import OutputPlan, RankExit, WorkerGroup
@@ -37,23 +37,22 @@ class Agent:
     def __init__(self, config: LaunchConfig, script: str, script_args: list[str]):
         self.config = config
         self.local_world_size = config.local_world_size()
-        min_nodes, max_nodes = config.node_range()
-        if max_nodes > 1:
-            raise UsageError(f"--nnodes {config.nnodes}: multi-node jobs are not supported yet; "
-                             "run one node (--nnodes 1 or --standalone)")
-        self.run_id = str(uuid.uuid4()) if config.standalone or config.rdzv_id == "none" \
-            else config.rdzv_id
+        self.min_nodes, self.max_nodes = config.node_range()
+        self.single_node = self.max_nodes == 1 and not config.rdzv_endpoint
+        self.run_id = str(uuid.uuid4()) if config.standalone or (
+            self.single_node and config.rdzv_id == "none") else config.rdzv_id
         self.node_id = f"{socket.gethostname()}:{os.getpid()}"
-        self.addr = config.local_addr or config.master_addr
+        self.endpoint = None if self.single_node or config.standalone else (
+            config.rdzv_endpoint_parts() or (config.master_addr, config.master_port or 29400))
+        self.addr = config.local_addr or (
+            config.master_addr if self.endpoint is None else outgoing_addr(self.endpoint[0]))
+        self.secret = job_secret(config.secret_file, self.run_id, self.endpoint is None)
         self.command = rank_command(script, script_args, module=config.module,
                                     no_python=config.no_python)
         log_root = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="ftlaunch_"))
         self.log_dir = log_root / self.run_id
         self.output = OutputPlan(self.log_dir, config.stream_modes(self.local_world_size),
                                  config.console_ranks(self.local_world_size))
-        self.state = JobState(1, 1, config.max_restarts, config.restart_policy,
-                              config.restart_backoff, config.restart_backoff_max,
-                              config.exit_barrier_timeout)
 
         self.epoch = 0
         self.assignment: Message | None = None
@@ -64,18 +63,27 @@ class Agent:
         self.rejoin_at: float | None = None
         self.shutdown_signal: int | None = None
         self.kill_at: float | None = None
+        self.restart_count = 0
+        self.started_at = time.monotonic()
         self.exit_code: int | None = None
+
+    def _job_state(self) -> JobState:
+        """A fresh coordinator state from this node's config (every node has the same)."""
+        c, rdzv = self.config, self.config.rdzv_settings()
+        return JobState(self.min_nodes, self.max_nodes, c.max_restarts, c.restart_policy,
+                        c.restart_backoff, c.restart_backoff_max, c.exit_barrier_timeout,
+                        c.node_timeout, float(rdzv.get("last_call_timeout", 1.0)),
+                        float(rdzv.get("join_timeout", 600.0)), host_node=self.node_id)
 
     # --- the main loop: read top to bottom ---------------------------------------------------
 
     def run(self) -> int:
         self._open()
         try:
-            self._send("join", node_id=self.node_id, local_world_size=self.local_world_size,
-                       addr=self.addr)
+            self._join()
             while self.exit_code is None:
                 for fd, _ in self.poller.poll(self._poll_timeout_ms()):
-                    if fd is self.control:
+                    if fd is self.control.socket:
                         self._on_control_message()
                     elif fd == self.signal_fd:
                         self._on_signals()
@@ -93,19 +101,16 @@ class Agent:
     # --- control messages ----------------------------------------------------------------
 
     def _on_control_message(self) -> None:
-        try:
-            msg = self.codec.decode(self.control.recv_multipart())
-        except ProtocolError as e:
-            log.warning("dropped control message: %s", e)
-            return
-        if msg.epoch < self.epoch:
+        msg = self.control.receive()
+        if msg is None or msg.epoch < self.epoch:
             return
         self.epoch = msg.epoch
         if msg.type == "assign":
             self.assignment = msg
             if msg["group_rank"] == 0:  # the node holding torch's store for this attempt
                 try:
-                    self.store = AgentStore(self.addr, self.config.master_port)
+                    port = self.config.master_port if self.endpoint is None else 0
+                    self.store = AgentStore(self.addr, port)
                 except OSError as e:
                     raise UsageError(f"cannot serve torch's store on {self.addr}:"
                                      f"{self.config.master_port}: {e.strerror}; pick another "
@@ -123,6 +128,7 @@ class Agent:
     def _start_ranks(self, msg: Message) -> None:
         a = self.assignment
         assert a is not None
+        self.restart_count = msg["restart_count"]
         attempt = Attempt(self.run_id, self.config.role, a["group_rank"], a["group_world_size"],
                           a["rank_offset"], a["world_size"], self.local_world_size,
                           msg["master_addr"], msg["master_port"], msg["restart_count"],
@@ -214,17 +220,45 @@ class Agent:
             self.rejoin_at = None
             if self.recovery is not None:
                 self.recovery.mark("backoff")
-            self._send("join", node_id=self.node_id, local_world_size=self.local_world_size,
-                       addr=self.addr)
+            self._join()
+        self.control.heartbeat_if_due(now)
+        if self.control.coordinator_lost(now) and self.shutdown_signal is None:
+            self._follow_coordinator()
+        elif self.assignment is None and now - self.started_at > self._join_timeout():
+            self.events.emit("job_failed", f"no rendezvous within {self._join_timeout():g}s at "
+                             f"{self.endpoint}; check --rdzv-endpoint and that the other nodes "
+                             "are up", exit_code=exit_codes.JOB_FAILED)
+            self.exit_code = exit_codes.JOB_FAILED
         if self.kill_at is not None and now >= self.kill_at and self.workers is not None:
             self.kill_at = None
             self.events.emit("grace_expired", "grace period over: SIGKILL to remaining ranks")
             self.workers.send_signal(signal.SIGKILL)
 
+    def _follow_coordinator(self) -> None:
+        """The coordinator's node went silent: stop our ranks and re-join its successor."""
+        lost = self.control.coordinator_node
+        self._stop_ranks(self.config.stop_timeout)
+        successor = self.control.fail_over(self.epoch, self.restart_count)
+        if successor is None:
+            self._finish(exit_codes.JOB_FAILED, f"coordinator node {lost} lost, no successor")
+            return
+        self.events.emit("coordinator_lost", f"coordinator node {lost} lost: following "
+                         f"{'this node' if successor == self.node_id else successor}",
+                         lost=lost, successor=successor)
+        self.recovery = self.recovery or PhaseClock()
+        self._join()
+
+    def _join(self) -> None:
+        self.control.send("join", self.epoch, node_id=self.node_id,
+                          local_world_size=self.local_world_size, addr=self.addr,
+                          standby_port=self.control.standby_port or 0)
+
+    def _join_timeout(self) -> float:
+        return float(self.config.rdzv_settings().get("join_timeout", 600.0))
+
     def _poll_timeout_ms(self) -> int:
         deadlines = [t for t in (self.rejoin_at, self.kill_at) if t is not None]
-        if not deadlines:
-            return 1000
+        deadlines.append(self.control.next_heartbeat)
         return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
 
     # --- plumbing ------------------------------------------------------------------------
@@ -233,26 +267,22 @@ class Agent:
         if self.workers is not None:
             for fd in self.workers.fds():
                 self.poller.unregister(fd)
-            self.workers.stop(timeout)
+            self.workers.stop(timeout, tick=lambda: self.control.heartbeat_if_due(time.monotonic()))
             self.workers = None
         if self.store is not None:
             self.store.close()
             self.store = None
 
     def _send(self, kind: str, **fields) -> None:
-        self.control.send_multipart(self.codec.encode(kind, self.epoch, **fields))
+        self.control.send(kind, self.epoch, **fields)
 
     def _open(self) -> None:
         self.events = EventLog(self.log_dir / "events.jsonl")
         self.guard = OrphanGuard()
         self.context = zmq.Context()
-        secret = secrets.token_bytes(32)
-        self.codec = Codec(secret)
-        self.coordinator = Coordinator(self.context, secret, "127.0.0.1", 0, self.state)
-        self.coordinator.start()
-        self.control = self.context.socket(zmq.DEALER)
-        self.control.setsockopt(zmq.LINGER, 0)
-        self.control.connect(f"tcp://127.0.0.1:{self.coordinator.port}")
+        self.control = ControlPlane(self.context, self.secret, self.node_id, self.addr,
+                                    self.endpoint, self._job_state, self.config.node_timeout,
+                                    self.config.heartbeat_interval)
         read_end, write_end = os.pipe()
         os.set_blocking(read_end, False)
         os.set_blocking(write_end, False)
@@ -261,7 +291,7 @@ class Agent:
         self._previous_handlers = {sig: signal.signal(sig, lambda *_: None)
                                    for sig in self.config.signals()}
         self.poller = zmq.Poller()
-        self.poller.register(self.control, zmq.POLLIN)
+        self.poller.register(self.control.socket, zmq.POLLIN)
         self.poller.register(self.signal_fd, zmq.POLLIN)
 
     def _close(self) -> None:
@@ -272,7 +302,6 @@ class Agent:
         os.close(self.signal_fd)
         os.close(self._signal_write_fd)
         self.control.close()
-        self.coordinator.close()
         self.context.term()
         self.guard.close()
         self.events.close()

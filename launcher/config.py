@@ -88,6 +88,13 @@ class LaunchConfig:
                                group=RECOVERY)
     exit_barrier_timeout: float = _opt(300.0, "Seconds a finished node waits for the others.",
                                        group=RECOVERY)
+    node_timeout: float = _opt(5.0, "Seconds of silence after which a node, or the "
+                               "coordinator, is declared lost.", group=RECOVERY)
+    heartbeat_interval: float = _opt(0.5, "Seconds between control-plane heartbeats.",
+                                     group=RECOVERY)
+    secret_file: str | None = _opt(None, "File holding the job's control-plane secret (or set "
+                                   "FTLAUNCH_SECRET); single-node jobs generate one.",
+                                   group=GENERAL)
     config: str | None = _opt(None, "YAML file with any of these options (CLI and env win).",
                               group=GENERAL)
 
@@ -175,6 +182,23 @@ class LaunchConfig:
             settings[key.strip()] = value.strip()
         return settings
 
+    def rdzv_endpoint_parts(self, default_port: int = 29400) -> tuple[str, int] | None:
+        """``--rdzv-endpoint HOST[:PORT]`` as (host, port), or None when not given."""
+        text = self.rdzv_endpoint.strip()
+        if not text:
+            return None
+        host, sep, port = text.rpartition(":") if text.count(":") == 1 or text.startswith("[") \
+            else ("", "", "")
+        host = (host or text).strip("[]")
+        try:
+            number = int(port) if sep else default_port
+        except ValueError:
+            number = -1
+        if not host or not 0 <= number <= 65535:
+            raise UsageError(f"--rdzv-endpoint {self.rdzv_endpoint!r} is not HOST[:PORT]; use "
+                             "e.g. node0:29400")
+        return host, number
+
     def validate(self) -> None:
         """Fail early, with one line, on anything a later step would trip over."""
         self.node_range()
@@ -183,6 +207,7 @@ class LaunchConfig:
         self.console_ranks(n)
         self.signals()
         self.rdzv_settings()
+        self.rdzv_endpoint_parts()
         if self.module and self.no_python:
             raise UsageError("--module and --no-python cannot be used together; drop one")
         for name in ("max_restarts", "node_rank", "master_port"):
@@ -190,6 +215,16 @@ class LaunchConfig:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
         if self.master_port > 65535:
             raise UsageError(f"--master-port {self.master_port} is not a TCP port; use 1..65535 or 0")
+        if self.heartbeat_interval <= 0 or self.node_timeout <= self.heartbeat_interval:
+            raise UsageError("--node-timeout must exceed --heartbeat-interval, which must be > 0")
+        for key in ("join_timeout", "last_call_timeout"):
+            value = self.rdzv_settings().get(key)
+            try:
+                ok = value is None or float(value) >= 0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise UsageError(f"--rdzv-conf {key}={value!r} is not a number of seconds")
         for name in ("restart_backoff", "restart_backoff_max", "grace_period", "stop_timeout",
                      "exit_barrier_timeout", "monitor_interval"):
             if getattr(self, name) < 0:

@@ -1,7 +1,8 @@
 """The coordinator: holds membership, the job epoch and the restart budget; decides recoveries.
 
 It is a role of an agent (a thread with its own ROUTER socket), never of a trainer, so no
-rank's crash can take it down. Agents talk to it only through signed messages.
+rank's crash can take it down. When its node is lost, the surviving agent with the lowest
+group rank starts a new one from the membership every agent holds (see docs/protocol.md).
 """
 
 from __future__ import annotations
@@ -30,34 +31,57 @@ class JobState:
     backoff: float
     backoff_max: float
     exit_barrier_timeout: float
+    node_timeout: float
+    last_call: float
+    join_timeout: float
+    host_node: str  # the agent running this coordinator: alive by definition
     epoch: int = 0
     restart_count: int = 0
     phase: str = "joining"  # joining -> waiting_store -> running -> (joining | done)
     members: dict[str, membership.Member] = field(default_factory=dict)
-    joined: dict[str, bytes] = field(default_factory=dict)  # node_id -> socket identity
-    group_ranks: dict[str, int] = field(default_factory=dict)
+    standby_ports: dict[str, int] = field(default_factory=dict)
+    identities: dict[str, bytes] = field(default_factory=dict)
+    last_seen: dict[str, float] = field(default_factory=dict)
+    round_joined: set[str] = field(default_factory=set)
+    expected: int = 0  # survivors of the last round we wait for; 0 = wait for MAX/last call
+    joining_since: float = field(default_factory=time.monotonic)
+    min_reached_at: float | None = None
+    group_ranks: dict[str, int] = field(default_factory=dict)  # nodes in the running round
     finished: set[str] = field(default_factory=set)
     first_finished_at: float | None = None
+    final: tuple[int, str] | None = None  # (exit code, reason) once done
+
+
+def bind_router(context: zmq.Context, addr: str, port: int) -> tuple[zmq.Socket, int]:
+    """A ROUTER socket bound to addr:port (port 0 = any free port)."""
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 1000)  # let the last "stop" reach every agent
+    sock.setsockopt(zmq.MAXMSGSIZE, 128 * 1024)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    try:
+        if port:
+            sock.bind(f"tcp://{addr}:{port}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{addr}")
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    return sock, port
 
 
 class Coordinator:
-    """Serves one job on a ROUTER socket from a background thread."""
+    """Serves one job on a bound ROUTER socket from a background thread."""
 
-    def __init__(self, context: zmq.Context, secret: bytes, bind_addr: str, port: int,
-                 state: JobState):
+    def __init__(self, sock: zmq.Socket, secret: bytes, state: JobState,
+                 takeover_cause: str | None = None):
         self._codec = Codec(secret)
         self._state = state
-        self._socket = context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, 128 * 1024)
-        if port:
-            self._socket.bind(f"tcp://{bind_addr}:{port}")
-            self.port = port
-        else:
-            self.port = self._socket.bind_to_random_port(f"tcp://{bind_addr}")
+        self._socket = sock
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="ftlaunch-coordinator",
                                         daemon=True)
+        if takeover_cause:
+            self._recover_from(f"{takeover_cause}", time.monotonic())
 
     def start(self) -> None:
         self._thread.start()
@@ -73,89 +97,162 @@ class Coordinator:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self._stopping.is_set():
-            if poller.poll(100):
+            if poller.poll(50):
                 frames = self._socket.recv_multipart()
-                if len(frames) < 2:
-                    continue
                 try:
-                    self._handle(frames[0], self._codec.decode(frames[1:]))
+                    if len(frames) < 2:
+                        raise ProtocolError("no identity frame")
+                    self._handle(frames[0], self._codec.decode(frames[1:]), time.monotonic())
                 except ProtocolError as e:
                     log.warning("dropped control message: %s", e)
                 except Exception:  # a bug must not silently stop the job's only decider
                     log.exception("coordinator failed to handle a message")
-            self._tick(time.monotonic())
+            try:
+                self._tick(time.monotonic())
+            except Exception:
+                log.exception("coordinator tick failed")
 
     def _send(self, identity: bytes, kind: str, **fields) -> None:
         self._socket.send_multipart([identity, *self._codec.encode(kind, self._state.epoch, **fields)])
 
     def _broadcast(self, kind: str, **fields) -> None:
-        for identity in self._state.joined.values():
+        for identity in self._state.identities.values():
             self._send(identity, kind, **fields)
 
     # --- messages ------------------------------------------------------------------------
 
-    def _handle(self, identity: bytes, msg: Message) -> None:
+    def _handle(self, identity: bytes, msg: Message, now: float) -> None:
         s = self._state
+        node = msg.fields.get("node_id")
+        if s.final is not None:  # the job is over: tell whoever still talks to us
+            self._send(identity, "stop", exit_code=s.final[0], reason=s.final[1])
+            return
+        if msg.type == "heartbeat":
+            if node in s.members:
+                s.last_seen[node] = now
+                s.identities[node] = identity
+            self._send(identity, "heartbeat_ack")
+            return
         if msg.type == "join":
-            s.members[msg["node_id"]] = membership.Member(msg["node_id"], msg["local_world_size"],
-                                                          msg["addr"])
-            s.joined[msg["node_id"]] = identity
-            if s.phase == "joining" and len(s.joined) >= s.max_nodes:
-                self._complete_round()
+            self._on_join(identity, msg, now)
             return
         if msg.epoch != s.epoch:
             log.info("ignored stale %s (epoch %d, now %d)", msg.type, msg.epoch, s.epoch)
             return
+        if node is not None:
+            s.last_seen[node] = now
         if msg.type == "store_ready" and s.phase == "waiting_store":
             s.phase = "running"
-            self._broadcast("start", master_addr=msg["master_addr"],
-                            master_port=msg["master_port"], restart_count=s.restart_count)
+            self._broadcast_round("start", master_addr=msg["master_addr"],
+                                  master_port=msg["master_port"], restart_count=s.restart_count)
         elif msg.type == "failure" and s.phase == "running":
-            self._on_failure(msg)
+            self._recover_from(f"rank {msg['rank']} (node {node}) {msg['cause']}", now)
         elif msg.type == "finished" and s.phase == "running":
-            s.finished.add(msg["node_id"])
-            s.first_finished_at = s.first_finished_at or time.monotonic()
-            if s.finished >= set(s.joined):
+            s.finished.add(node)
+            s.first_finished_at = s.first_finished_at or now
+            if s.finished >= set(s.group_ranks):
                 self._finish(exit_codes.OK, "all ranks finished")
         elif msg.type == "leave":
-            self._finish(msg["exit_code"], f"node {msg['node_id']} left: {msg['reason']}")
+            self._finish(msg["exit_code"], f"node {node} left: {msg['reason']}")
+
+    def _on_join(self, identity: bytes, msg: Message, now: float) -> None:
+        s = self._state
+        node = msg["node_id"]
+        s.members[node] = membership.Member(node, msg["local_world_size"], msg["addr"])
+        s.standby_ports[node] = msg["standby_port"]
+        s.identities[node] = identity
+        s.last_seen[node] = now
+        if s.phase == "joining":
+            s.round_joined.add(node)
+            if len(s.round_joined) >= s.min_nodes and s.min_reached_at is None:
+                s.min_reached_at = now
+        elif node not in s.group_ranks and len(s.group_ranks) < s.max_nodes:
+            # A late joiner within MAX: scale up at the next safe point, i.e. now (a restart).
+            self._start_new_round(f"node {node} joined: scaling up to {len(s.group_ranks) + 1} "
+                                  "nodes", s.restart_count, delay=0.0, now=now)
+            s.round_joined.add(node)
+        elif node in s.group_ranks:  # it restarted mid-round: its old ranks are gone
+            self._recover_from(f"node {node} re-joined (its agent restarted)", now)
+            s.round_joined.add(node)
+
+    # --- decisions -----------------------------------------------------------------------
+
+    def _recover_from(self, cause: str, now: float) -> None:
+        s = self._state
+        decision = recovery.decide(s.restart_count, s.max_restarts, s.policy, cause,
+                                   s.backoff, s.backoff_max)
+        if decision.action == "fail":
+            self._finish(exit_codes.JOB_FAILED, decision.reason)
+        else:
+            self._start_new_round(cause, decision.restart_count, decision.delay, now)
+
+    def _start_new_round(self, cause: str, restart_count: int, delay: float, now: float) -> None:
+        s = self._state
+        s.restart_count = restart_count
+        s.expected = len(s.group_ranks)
+        self._broadcast("recover", policy=s.policy, restart_count=restart_count, delay=delay,
+                        cause=cause)
+        s.phase = "joining"
+        s.round_joined.clear()
+        s.joining_since = now
+        s.min_reached_at = None
 
     def _complete_round(self) -> None:
         s = self._state
         s.epoch += 1
         s.finished.clear()
         s.first_finished_at = None
-        members = [s.members[n] for n in s.joined]
-        assignments = membership.assign_ranks(members, s.group_ranks)
+        assignments = membership.assign_ranks([s.members[n] for n in s.round_joined],
+                                              s.group_ranks)
         s.group_ranks = {a.node_id: a.group_rank for a in assignments}
+        members = [[a.node_id, s.members[a.node_id].addr, s.standby_ports[a.node_id]]
+                   for a in assignments]
         s.phase = "waiting_store"
         for a in assignments:
-            self._send(s.joined[a.node_id], "assign", group_rank=a.group_rank,
+            self._send(s.identities[a.node_id], "assign", group_rank=a.group_rank,
                        group_world_size=a.group_world_size, rank_offset=a.rank_offset,
                        world_size=a.world_size, restart_count=s.restart_count,
-                       max_restarts=s.max_restarts)
+                       max_restarts=s.max_restarts, members=members, coordinator_node=s.host_node)
 
-    def _on_failure(self, msg: Message) -> None:
-        s = self._state
-        cause = f"rank {msg['rank']} (node {msg['node_id']}) {msg['cause']}"
-        decision = recovery.decide(s.restart_count, s.max_restarts, s.policy, cause,
-                                   s.backoff, s.backoff_max)
-        if decision.action == "fail":
-            self._finish(exit_codes.JOB_FAILED, decision.reason)
-            return
-        s.restart_count = decision.restart_count
-        s.phase = "joining"
-        self._broadcast("recover", policy=decision.policy, restart_count=decision.restart_count,
-                        delay=decision.delay, cause=cause)
-        s.joined.clear()  # every agent re-joins for the next round once its ranks are stopped
+    def _broadcast_round(self, kind: str, **fields) -> None:
+        for node in self._state.group_ranks:
+            self._send(self._state.identities[node], kind, **fields)
 
     def _finish(self, exit_code: int, reason: str) -> None:
         self._state.phase = "done"
+        self._state.final = (exit_code, reason)
         self._broadcast("stop", exit_code=exit_code, reason=reason)
 
     def _tick(self, now: float) -> None:
         s = self._state
+        if s.final is not None:
+            return
+        alive = {n: t for n, t in s.last_seen.items() if n != s.host_node}
+        for node in membership.silent_members(alive, now, s.node_timeout):
+            self._lose(node, now)
+        if s.final is None and s.phase == "joining":
+            if membership.round_complete(len(s.round_joined), s.expected, s.min_nodes,
+                                         s.max_nodes, s.min_reached_at, now, s.last_call):
+                self._complete_round()
+            elif now - s.joining_since > s.join_timeout:
+                self._finish(exit_codes.JOB_FAILED,
+                             f"rendezvous timed out: {len(s.round_joined)} of at least "
+                             f"{s.min_nodes} nodes joined within {s.join_timeout:g}s; start the "
+                             "missing nodes or raise --rdzv-conf join_timeout")
         if (s.phase == "running" and s.first_finished_at is not None
                 and now - s.first_finished_at > s.exit_barrier_timeout):
-            missing = sorted(set(s.joined) - s.finished)
+            missing = sorted(set(s.group_ranks) - s.finished)
             self._finish(exit_codes.JOB_FAILED, f"exit barrier timed out waiting for {missing}")
+
+    def _lose(self, node: str, now: float) -> None:
+        s = self._state
+        log.warning("node %s lost: no heartbeat for %.1fs", node, now - s.last_seen[node])
+        for table in (s.members, s.standby_ports, s.identities, s.last_seen):
+            table.pop(node, None)
+        s.round_joined.discard(node)
+        if node in s.group_ranks:
+            in_round = s.phase in ("waiting_store", "running")
+            del s.group_ranks[node]
+            if in_round:
+                self._recover_from(f"node {node} lost (no heartbeat for {s.node_timeout:g}s)", now)
+            s.expected = min(s.expected, len(s.group_ranks)) if s.expected else 0

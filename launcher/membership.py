@@ -35,3 +35,26 @@ def assign_ranks(members: list[Member], previous: dict[str, int] | None = None) 
         assignments.append(Assignment(m.node_id, group_rank, len(ordered), offset, world_size))
         offset += m.local_world_size
     return assignments
+
+
+def round_complete(joined: int, expected: int, min_nodes: int, max_nodes: int,
+                   min_reached_at: float | None, now: float, last_call: float) -> bool:
+    """Close a rendezvous round: at MAX nodes; once every ``expected`` node (the survivors of
+    the last round) is back; or ``last_call`` seconds after MIN was reached."""
+    if joined >= max_nodes:
+        return True
+    if joined < min_nodes:
+        return False
+    if 0 < expected <= joined:
+        return True
+    return min_reached_at is not None and now - min_reached_at >= last_call
+
+
+def silent_members(last_seen: dict[str, float], now: float, timeout: float) -> list[str]:
+    """Members not heard from for more than ``timeout`` seconds: declared lost."""
+    return sorted(node for node, seen in last_seen.items() if now - seen > timeout)
+
+
+def successor(members_by_rank: list[str], lost: set[str]) -> str | None:
+    """Who takes over a lost coordinator: the lowest group rank still alive (same on every node)."""
+    return next((node for node in members_by_rank if node not in lost), None)

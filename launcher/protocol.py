@@ -25,17 +25,28 @@ _STR = str
 _FLOAT = (int, float)
 _OPT_INT = (int, type(None))
 
+
+def _members(value: Any) -> bool:
+    """[[node_id, addr, standby_port], ...] in group-rank order."""
+    return isinstance(value, list) and len(value) <= 100_000 and all(
+        isinstance(m, list) and len(m) == 3 and isinstance(m[0], str) and isinstance(m[1], str)
+        and type(m[2]) is int for m in value)
+
+
 SCHEMA: dict[str, dict[str, Any]] = {
     # agent -> coordinator
-    "join": {"node_id": _STR, "local_world_size": _INT, "addr": _STR},
+    "join": {"node_id": _STR, "local_world_size": _INT, "addr": _STR, "standby_port": _INT},
+    "heartbeat": {"node_id": _STR},
     "store_ready": {"master_addr": _STR, "master_port": _INT},
     "failure": {"node_id": _STR, "rank": _INT, "local_rank": _INT, "exit_code": _OPT_INT,
                 "signal": _STR, "cause": _STR},
     "finished": {"node_id": _STR},
     "leave": {"node_id": _STR, "exit_code": _INT, "reason": _STR},
     # coordinator -> agent
+    "heartbeat_ack": {},
     "assign": {"group_rank": _INT, "group_world_size": _INT, "rank_offset": _INT,
-               "world_size": _INT, "restart_count": _INT, "max_restarts": _INT},
+               "world_size": _INT, "restart_count": _INT, "max_restarts": _INT,
+               "members": _members, "coordinator_node": _STR},
     "start": {"master_addr": _STR, "master_port": _INT, "restart_count": _INT},
     "recover": {"policy": _STR, "restart_count": _INT, "delay": _FLOAT, "cause": _STR},
     "stop": {"exit_code": _INT, "reason": _STR},
@@ -112,5 +123,8 @@ def _check_fields(kind: Any, fields: dict[str, Any]) -> None:
         raise ProtocolError(f"{kind}: fields {sorted(fields)} != {sorted(schema)}")
     for name, expected in schema.items():
         value = fields[name]
-        if isinstance(value, bool) or not isinstance(value, expected):
+        if callable(expected) and not isinstance(expected, (type, tuple)):
+            if not expected(value):
+                raise ProtocolError(f"{kind}.{name}: malformed")
+        elif isinstance(value, bool) or not isinstance(value, expected):
             raise ProtocolError(f"{kind}.{name}: wrong type {type(value).__name__}")

@@ -15,6 +15,7 @@ import select
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,15 +121,19 @@ class WorkerGroup:
         for rank in self.alive():
             _killpg(rank.proc.pid, sig)
 
-    def stop(self, timeout: float, sig: int = signal.SIGTERM) -> None:
-        """Ask every rank to exit, SIGKILL what is left after ``timeout``, reap all, drain output."""
-        self.send_signal(sig)
+    def stop(self, timeout: float, tick: Callable[[], None] = lambda: None) -> None:
+        """SIGTERM every rank, SIGKILL what is left after ``timeout``, reap all, drain output.
+
+        ``tick`` runs at least every 0.2 s meanwhile (the agent keeps heartbeating)."""
+        self.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while self.alive() and time.monotonic() < deadline:
-            self.wait(deadline - time.monotonic())
+            self.wait(min(0.2, deadline - time.monotonic()))
+            tick()
         self.send_signal(signal.SIGKILL)
         while self.alive():
-            self.wait(1.0)
+            self.wait(0.2)
+            tick()
         self.close()
 
     def wait(self, timeout: float) -> list[RankExit]:

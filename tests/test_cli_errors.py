@@ -94,7 +94,7 @@ MORE_CASES = {
     "bad port": (["--master-port", "70000", "train.py"], ["--master-port"]),
     "float flag not float": (["--grace-period", "soon", "train.py"], ["soon"]),
     "flag missing value": (["--nnodes"], ["--nnodes"]),
-    "multi-node": (["--nnodes", "2", "train.py"], ["--nnodes"]),
+    "bad-endpoint": (["--nnodes", "2", "--rdzv-endpoint", "host:port", "train.py"], ["--rdzv-endpoint"]),
 }
 
 

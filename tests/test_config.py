@@ -57,6 +57,9 @@ VALID = {
     "grace_period": 5.0,
     "stop_timeout": 1.5,
     "exit_barrier_timeout": 100.0,
+    "node_timeout": 3.0,
+    "heartbeat_interval": 0.25,
+    "secret_file": "/tmp/ftlaunch-secret",
     "config": None,  # filled per test with a real file
 }
 YAML_FIELDS = [name for name in FIELDS if name != "config"]

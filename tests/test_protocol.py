@@ -10,12 +10,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from launcher.protocol import MAX_BYTES, SCHEMA, VERSION, Codec, Message, ProtocolError
+from launcher.protocol import (
+    MAX_BYTES,
+    SCHEMA,
+    VERSION,
+    Codec,
+    Message,
+    ProtocolError,
+    _members,
+)
 
 SECRET = b"s" * 32
 OTHER_SECRET = b"o" * 32
 
-SAMPLE = {int: 7, str: "node-a", (int, float): 1.5, (int, type(None)): None}
+SAMPLE = {int: 7, str: "node-a", (int, float): 1.5, (int, type(None)): None,
+          _members: [["node-a", "10.0.0.1", 4000], ["node-b", "10.0.0.2", 4001]]}
 
 
 def valid_fields(kind: str) -> dict:
@@ -172,7 +181,7 @@ def test_encode_refuses_unknown_type():
         Codec(SECRET).encode("shutdown", 0)
 
 
-@pytest.mark.parametrize("kind", list(SCHEMA))
+@pytest.mark.parametrize("kind", [k for k in SCHEMA if SCHEMA[k]])
 def test_missing_field(kind):
     fields = valid_fields(kind)
     fields.pop(next(iter(fields)))
@@ -325,6 +334,8 @@ field_values = {
     str: st.text(max_size=50),
     (int, float): st.integers(-(2**31), 2**31) | st.floats(allow_nan=False),
     (int, type(None)): st.none() | st.integers(-255, 255),
+    _members: st.lists(st.tuples(st.text(max_size=20), st.text(max_size=20),
+                                 st.integers(0, 65535)).map(list), max_size=5),
 }
 
 
@@ -355,3 +366,13 @@ def test_any_single_byte_flip_is_refused(message, data):
     frames = [bytes(frame), mac] if which == "body" else [body, bytes(frame)]
     with pytest.raises(ProtocolError, match="signature"):
         Codec(SECRET).decode(frames)
+
+
+@pytest.mark.parametrize("members", [
+    "node-a", [["node-a", "10.0.0.1"]], [["node-a", "10.0.0.1", "4000"]],
+    [["node-a", "10.0.0.1", True]], [("node-a", 1, 2)], [None],
+])
+def test_malformed_member_list_refused(members):
+    fields = {**valid_fields("assign"), "members": members}
+    with pytest.raises(ProtocolError, match="assign.members"):
+        Codec(SECRET).decode(signed({**envelope(type="assign"), **fields}))

@@ -1,0 +1,161 @@
+"""This agent's link to the coordinator: host it when this node should, heartbeat it, and
+follow it to a successor when its node is lost ("Paranoid Pirate" liveness both ways)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+
+from launcher import UsageError, membership
+from launcher.coordinator import Coordinator, JobState, bind_router
+from launcher.protocol import Codec, Message, ProtocolError
+
+log = logging.getLogger("ftlaunch.control")
+
+
+def job_secret(secret_file: str | None, rdzv_id: str, single_node: bool) -> bytes:
+    """The per-job key for message signatures: FTLAUNCH_SECRET, --secret-file, or a default."""
+    if os.environ.get("FTLAUNCH_SECRET"):
+        return hashlib.sha256(os.environ["FTLAUNCH_SECRET"].encode()).digest()
+    if secret_file:
+        try:
+            return hashlib.sha256(Path(secret_file).read_bytes().strip()).digest()
+        except OSError as e:
+            raise UsageError(f"--secret-file {secret_file}: {e.strerror}; give a readable file "
+                             "holding the job secret") from None
+    if single_node:
+        return secrets.token_bytes(32)
+    log.warning("no FTLAUNCH_SECRET or --secret-file: control messages are signed with a key "
+                "derived from --rdzv-id, which only protects against accidents")
+    return hashlib.sha256(f"ftlaunch-job:{rdzv_id}".encode()).digest()
+
+
+def outgoing_addr(host: str) -> str:
+    """The local address this machine uses to reach ``host`` (what peers should dial)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((socket.gethostbyname(host), 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+class ControlPlane:
+    """The DEALER socket to the current coordinator, plus this agent's standby ROUTER."""
+
+    def __init__(self, context: zmq.Context, secret: bytes, node_id: str, addr: str,
+                 endpoint: tuple[str, int] | None, new_state: Callable[[], JobState],
+                 node_timeout: float, heartbeat_interval: float):
+        self._context, self._secret = context, secret
+        self.node_id, self.addr = node_id, addr
+        self._new_state = new_state
+        self._node_timeout, self._interval = node_timeout, heartbeat_interval
+        self.codec = Codec(secret)
+        self.coordinator: Coordinator | None = None
+        self.standby, self.standby_port = bind_router(context, addr, 0)
+        self.members: list[list] = []  # [[node_id, addr, standby_port], ...] by group rank
+        self.coordinator_node = ""
+        self._lost: set[str] = set()
+        if endpoint is None:  # single node: our own coordinator on a free local port
+            self._host(self.standby, self.new_state_for_host())
+            endpoint = (addr, self.standby_port)
+            self.standby = None
+        else:
+            self._try_to_host(endpoint)
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self._endpoint = f"tcp://{endpoint[0]}:{endpoint[1]}"
+        self.socket.connect(self._endpoint)
+        self.last_heard = time.monotonic()
+        self.next_heartbeat = time.monotonic() + heartbeat_interval
+
+    @property
+    def hosting(self) -> bool:
+        return self.coordinator is not None
+
+    def new_state_for_host(self) -> JobState:
+        state = self._new_state()
+        state.host_node = self.node_id
+        return state
+
+    def _host(self, sock: zmq.Socket, state: JobState, takeover: str | None = None) -> None:
+        self.coordinator = Coordinator(sock, self._secret, state, takeover)
+        self.coordinator.start()
+
+    def _try_to_host(self, endpoint: tuple[str, int]) -> None:
+        """Whoever can bind the rendezvous endpoint hosts the coordinator (like torchrun c10d)."""
+        try:
+            bind_host = socket.gethostbyname(endpoint[0])
+            sock, _ = bind_router(self._context, bind_host, endpoint[1])
+        except (zmq.ZMQError, OSError):
+            return  # the endpoint is another machine's, or another agent here got it first
+        self._host(sock, self.new_state_for_host())
+
+    # --- traffic -------------------------------------------------------------------------
+
+    def send(self, kind: str, epoch: int, **fields) -> None:
+        self.socket.send_multipart(self.codec.encode(kind, epoch, **fields))
+
+    def receive(self) -> Message | None:
+        """The next coordinator message, or None for heartbeat acks and dropped messages."""
+        try:
+            msg = self.codec.decode(self.socket.recv_multipart())
+        except ProtocolError as e:
+            log.warning("dropped control message: %s", e)
+            return None
+        self.last_heard = time.monotonic()
+        if msg.type == "assign":
+            self.members, self.coordinator_node = msg["members"], msg["coordinator_node"]
+        return None if msg.type == "heartbeat_ack" else msg
+
+    def heartbeat_if_due(self, now: float) -> None:
+        if now >= self.next_heartbeat:
+            self.send("heartbeat", 0, node_id=self.node_id)
+            self.next_heartbeat = now + self._interval
+
+    def coordinator_lost(self, now: float) -> bool:
+        """Silent past the node timeout, once we know who would take over."""
+        return not self.hosting and bool(self.members) and \
+            now - self.last_heard > self._node_timeout
+
+    def fail_over(self, epoch: int, restart_count: int) -> str | None:
+        """Follow the coordinator to its successor (maybe us); returns the successor or None."""
+        self._lost.add(self.coordinator_node)
+        by_rank = [m[0] for m in self.members]
+        successor = membership.successor(by_rank, self._lost)
+        if successor is None:
+            return None
+        entry = next(m for m in self.members if m[0] == successor)
+        if successor == self.node_id and self.standby is not None:
+            state = self.new_state_for_host()
+            state.epoch, state.restart_count = epoch, restart_count
+            now = time.monotonic()
+            for rank, (node, _, port) in enumerate(self.members):
+                if node in self._lost:
+                    continue
+                state.group_ranks[node] = rank
+                state.standby_ports[node] = port
+                state.last_seen[node] = now
+            self._host(self.standby, state, takeover=f"coordinator node {self.coordinator_node} lost")
+            self.standby = None
+        self.socket.disconnect(self._endpoint)
+        self._endpoint = f"tcp://{entry[1]}:{entry[2]}"
+        self.socket.connect(self._endpoint)
+        self.coordinator_node = successor
+        self.last_heard = time.monotonic()
+        return successor
+
+    def close(self) -> None:
+        self.socket.close()
+        if self.coordinator is not None:
+            self.coordinator.close()
+        if self.standby is not None:
+            self.standby.close(linger=0)
