@@ -43,7 +43,7 @@ class JobState:
     identities: dict[str, bytes] = field(default_factory=dict)
     last_seen: dict[str, float] = field(default_factory=dict)
     round_joined: set[str] = field(default_factory=set)
-    expected: int = 0  # survivors of the last round we wait for; 0 = wait for MAX/last call
+    expected: set[str] = field(default_factory=set)  # who the round waits for; empty: MAX/last call
     joining_since: float = field(default_factory=time.monotonic)
     min_reached_at: float | None = None
     group_ranks: dict[str, int] = field(default_factory=dict)  # nodes in the running round
@@ -170,10 +170,10 @@ class Coordinator:
             # A late joiner within MAX: scale up at the next safe point, i.e. now (a restart).
             self._start_new_round(f"node {node} joined: scaling up to {len(s.group_ranks) + 1} "
                                   "nodes", s.restart_count, delay=0.0, now=now)
+            s.expected.add(node)
             s.round_joined.add(node)
-        elif node in s.group_ranks:  # it restarted mid-round: its old ranks are gone
-            self._recover_from(f"node {node} re-joined (its agent restarted)", now)
-            s.round_joined.add(node)
+        # else: a duplicate join from a member (a restarted agent has a new node id), or a
+        # node beyond MAX that waits for the next round: nothing to do now.
 
     # --- decisions -----------------------------------------------------------------------
 
@@ -189,9 +189,9 @@ class Coordinator:
     def _start_new_round(self, cause: str, restart_count: int, delay: float, now: float) -> None:
         s = self._state
         s.restart_count = restart_count
-        s.expected = len(s.group_ranks)
-        self._broadcast("recover", policy=s.policy, restart_count=restart_count, delay=delay,
-                        cause=cause)
+        s.expected = set(s.group_ranks)
+        self._broadcast_round("recover", policy=s.policy, restart_count=restart_count,
+                              delay=delay, cause=cause)
         s.phase = "joining"
         s.round_joined.clear()
         s.joining_since = now
@@ -215,8 +215,10 @@ class Coordinator:
                        max_restarts=s.max_restarts, members=members, coordinator_node=s.host_node)
 
     def _broadcast_round(self, kind: str, **fields) -> None:
+        """To the nodes of the current round we can reach (a successor knows none at first)."""
         for node in self._state.group_ranks:
-            self._send(self._state.identities[node], kind, **fields)
+            if node in self._state.identities:
+                self._send(self._state.identities[node], kind, **fields)
 
     def _finish(self, exit_code: int, reason: str) -> None:
         self._state.phase = "done"
@@ -231,7 +233,7 @@ class Coordinator:
         for node in membership.silent_members(alive, now, s.node_timeout):
             self._lose(node, now)
         if s.final is None and s.phase == "joining":
-            if membership.round_complete(len(s.round_joined), s.expected, s.min_nodes,
+            if membership.round_complete(s.round_joined, s.expected, s.min_nodes,
                                          s.max_nodes, s.min_reached_at, now, s.last_call):
                 self._complete_round()
             elif now - s.joining_since > s.join_timeout:
@@ -255,4 +257,4 @@ class Coordinator:
             del s.group_ranks[node]
             if in_round:
                 self._recover_from(f"node {node} lost (no heartbeat for {s.node_timeout:g}s)", now)
-            s.expected = min(s.expected, len(s.group_ranks)) if s.expected else 0
+        s.expected.discard(node)

@@ -37,15 +37,15 @@ def assign_ranks(members: list[Member], previous: dict[str, int] | None = None) 
     return assignments
 
 
-def round_complete(joined: int, expected: int, min_nodes: int, max_nodes: int,
+def round_complete(joined: set[str], expected: set[str], min_nodes: int, max_nodes: int,
                    min_reached_at: float | None, now: float, last_call: float) -> bool:
     """Close a rendezvous round: at MAX nodes; once every ``expected`` node (the survivors of
-    the last round) is back; or ``last_call`` seconds after MIN was reached."""
-    if joined >= max_nodes:
+    the last round, plus a scale-up's newcomer) is back; or ``last_call`` seconds after MIN."""
+    if len(joined) >= max_nodes:
         return True
-    if joined < min_nodes:
+    if len(joined) < min_nodes:
         return False
-    if 0 < expected <= joined:
+    if expected and expected <= joined:
         return True
     return min_reached_at is not None and now - min_reached_at >= last_call
 

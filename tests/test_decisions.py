@@ -338,3 +338,34 @@ def test_rank_command_does_not_alias_args():
     cmd = rank_command("train.py", args)
     cmd.append("--b")
     assert args == ["--a"]
+
+
+# --- rendezvous rounds, liveness, succession (pure) -------------------------------------
+
+from launcher.membership import round_complete, silent_members, successor  # noqa: E402
+
+
+@pytest.mark.parametrize("joined, expected, min_reached_at, now, done", [
+    ({"a", "b", "c"}, set(), None, 0.0, True),          # MAX reached
+    ({"a"}, set(), None, 0.0, False),                    # below MIN
+    ({"a", "b"}, set(), 10.0, 10.5, False),              # MIN reached, last call still open
+    ({"a", "b"}, set(), 10.0, 11.0, True),               # last call over
+    ({"a", "b"}, {"a", "b"}, 10.0, 10.0, True),          # every survivor is back
+    ({"a", "b"}, {"a", "b", "c"}, 10.0, 10.2, False),    # waiting for survivor c
+    ({"a"}, {"a", "b"}, None, 99.0, False),              # survivors back but below MIN
+])
+def test_round_complete(joined, expected, min_reached_at, now, done):
+    assert round_complete(joined, expected, 2, 3, min_reached_at, now, 1.0) is done
+
+
+def test_silent_members_are_those_past_the_timeout():
+    seen = {"a": 10.0, "b": 7.9, "c": 8.0}
+    assert silent_members(seen, now=10.0, timeout=2.0) == ["b"]
+    assert silent_members({}, now=10.0, timeout=2.0) == []
+
+
+def test_successor_is_lowest_surviving_group_rank():
+    order = ["n0", "n1", "n2"]
+    assert successor(order, {"n0"}) == "n1"
+    assert successor(order, {"n0", "n1"}) == "n2"
+    assert successor(order, set(order)) is None

@@ -1,0 +1,111 @@
+"""Several agents on loopback, each its own "node": forming a job, losing nodes, losing the
+coordinator. Real agents, real ranks, real gloo; node identities are hostname:pid."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import psutil
+import pytest
+from conftest import SCRIPTS
+
+TRAIN = str(SCRIPTS / "train_gpt.py")
+FAST_LIVENESS = ["--node-timeout", "2", "--heartbeat-interval", "0.2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_listening(port: int, timeout: float = 30) -> None:
+    """Block until something listens on ``port`` (the first agent hosts the coordinator)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+               for c in psutil.net_connections("tcp")):
+            return
+        time.sleep(0.05)  # polling the kernel's socket table: there is no event to wait on
+    pytest.fail(f"nothing listened on {port} within {timeout}s")
+
+
+def _node(launch, port, nnodes, *script_args, extra=(), env=None):
+    return launch("--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job",
+                  "--rdzv-conf", "last_call_timeout=0.5,join_timeout=60", *FAST_LIVENESS,
+                  *extra, *script_args, env=env)
+
+
+def _train_args(tmp_path, steps=200):
+    return [TRAIN, "--steps", str(steps), "--ckpt-every", "10", "--step-time", "0.03",
+            "--log-every", "5", "--ckpt-dir", str(tmp_path / "ckpt"),
+            "--out", str(tmp_path / "out.json")]
+
+
+def _two_nodes(launch, tmp_path, nnodes="1:2", steps=200):
+    port = _free_port()
+    first = _node(launch, port, nnodes, *_train_args(tmp_path, steps))
+    _wait_listening(port)
+    second = _node(launch, port, nnodes, *_train_args(tmp_path, steps))
+    return first, second
+
+
+def test_two_nodes_form_one_job_and_finish(tmp_path, launch):
+    first, second = _two_nodes(launch, tmp_path, nnodes="2", steps=20)
+    assert first.finish() == 0, first.output
+    assert second.finish() == 0, second.output
+    both = first.output + second.output
+    assert "start rank 0 world 2" in both and "start rank 1 world 2" in both
+    assert "world size 2" in first.output and "world size 2" in second.output
+
+
+def test_lost_node_is_acted_on_and_survivor_finishes(tmp_path, launch):
+    coordinator_node, worker_node = _two_nodes(launch, tmp_path)
+    for run in (coordinator_node, worker_node):
+        run.wait_for(r"step 20 ")
+    worker_node.proc.kill()  # the whole node is gone: agent SIGKILLed, its rank dies with it
+    worker_node.finish()
+    # Whichever comes first acts: gloo's broken connection or the missed heartbeats.
+    coordinator_node.wait_for(r"-> cold restart 1/3", timeout=30)
+    assert coordinator_node.finish() == 0, coordinator_node.output
+    assert "lost: no heartbeat for" in coordinator_node.output
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["restart_count"] == 1 and result["final_step"] == 200
+    assert "start rank 0 world 1" in coordinator_node.output  # re-formed with the node left
+
+
+def test_coordinator_loss_successor_takes_over(tmp_path, launch):
+    coordinator_node, worker_node = _two_nodes(launch, tmp_path)
+    for run in (coordinator_node, worker_node):
+        run.wait_for(r"step 20 ")
+    coordinator_node.proc.kill()
+    coordinator_node.finish()
+    worker_node.wait_for(r"coordinator node .* lost: following this node", timeout=30)
+    assert worker_node.finish() == 0, worker_node.output
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["restart_count"] == 1 and result["final_step"] == 200
+    assert result["resumed_from"] >= 10  # the checkpoint before the loss, not a fresh start
+
+
+def test_late_joiner_scales_the_job_up(tmp_path, launch):
+    port = _free_port()
+    alone = _node(launch, port, "1:2", *_train_args(tmp_path, steps=150))
+    alone.wait_for(r"\[rank0\]: start rank 0 world 1 ")
+    alone.wait_for(r"step 10 ")
+    late = _node(launch, port, "1:2", *_train_args(tmp_path, steps=150))
+    alone.wait_for(r"joined: scaling up to 2 nodes")
+    assert alone.finish() == 0, alone.output
+    assert late.finish() == 0, late.output
+    assert "start rank 1 world 2" in late.output
+
+
+def test_min_nodes_not_reached_is_a_clear_timeout(tmp_path, launch):
+    port = _free_port()
+    run = launch("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint",
+                 f"127.0.0.1:{port}", "--rdzv-id", "job", "--rdzv-conf", "join_timeout=1.5",
+                 *FAST_LIVENESS, TRAIN, "--steps", "5")
+    assert run.finish(timeout=60) == 1
+    assert "rendezvous timed out: 1 of at least 2 nodes joined within 1.5s" in run.output
