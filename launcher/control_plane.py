@@ -72,6 +72,7 @@ class ControlPlane:
             self._try_to_host(endpoint)
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
         self._endpoint = f"tcp://{endpoint[0]}:{endpoint[1]}"
         self.socket.connect(self._endpoint)
         self.last_heard = time.monotonic()

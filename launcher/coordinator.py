@@ -56,7 +56,7 @@ def bind_router(context: zmq.Context, addr: str, port: int) -> tuple[zmq.Socket,
     """A ROUTER socket bound to addr:port (port 0 = any free port)."""
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 1000)  # let the last "stop" reach every agent
-    sock.setsockopt(zmq.MAXMSGSIZE, 128 * 1024)
+    sock.setsockopt(zmq.MAXMSGSIZE, 2 << 20)  # anything larger is cut off by ZeroMQ itself
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
     try:
         if port:

@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 
 VERSION = 1
-MAX_BYTES = 64 * 1024
+MAX_BYTES = 1 << 20  # assign carries the member list (~40 B a node)
 
 _INT = int
 _STR = str
