@@ -109,3 +109,64 @@ def test_min_nodes_not_reached_is_a_clear_timeout(tmp_path, launch):
                  *FAST_LIVENESS, TRAIN, "--steps", "5")
     assert run.finish(timeout=60) == 1
     assert "rendezvous timed out: 1 of at least 2 nodes joined within 1.5s" in run.output
+
+
+def test_forged_replayed_and_garbage_messages_harm_nothing(tmp_path, launch):
+    """A job under attack on its control port: every bad message is dropped and logged."""
+    import hashlib
+
+    import zmq
+
+    from launcher.protocol import Codec
+
+    port = _free_port()
+    env = {"FTLAUNCH_SECRET": "s3cret-job-key"}
+    first = _node(launch, port, "2", *_train_args(tmp_path, steps=60), env=env)
+    _wait_listening(port)
+    second = _node(launch, port, "2", *_train_args(tmp_path, steps=60), env=env)
+    first.wait_for(r"step 10 ")
+
+    context = zmq.Context()
+    rogue = context.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(f"tcp://127.0.0.1:{port}")
+    wrong_key = Codec(b"not-the-job-secret-at-all")
+    right_key = Codec(hashlib.sha256(b"s3cret-job-key").digest())
+    stale = right_key.encode("failure", 0, node_id="x", rank=0, local_rank=0, exit_code=1,
+                             signal="", cause="forged stale failure")
+    for frames in (
+        wrong_key.encode("leave", 1, node_id="x", exit_code=9, reason="forged"),
+        [b"\x00garbage", b"\x01" * 32],
+        [b"one frame only"],
+        [b"x" * (3 << 20), b"\x00" * 32],  # over ZeroMQ's size cap: the connection is cut
+    ):
+        rogue.send_multipart(frames)
+    rogue.close()
+    rogue = context.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(f"tcp://127.0.0.1:{port}")
+    rogue.send_multipart(stale)  # signed right, but for an epoch long gone: ignored
+    rogue.send_multipart(stale)  # and replayed: dropped
+    rogue.close()
+    context.term()
+
+    assert first.finish() == 0, first.output
+    assert second.finish() == 0, second.output
+    coordinator_log = first.output + second.output
+    assert "dropped control message: bad signature" in coordinator_log
+    assert "replayed message" in coordinator_log
+    assert "restart" not in coordinator_log.replace("TORCHELASTIC_RESTART", "")
+
+
+def test_torchrun_static_form_command_line(tmp_path, launch):
+    """`--nnodes 2 --node-rank K --master-addr A --master-port P`: served by our rendezvous."""
+    port = _free_port()
+    args = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+            "--master-port", str(port), *FAST_LIVENESS,
+            *_train_args(tmp_path, steps=10)]
+    first = launch("--node-rank", "0", *args)
+    _wait_listening(port)
+    second = launch("--node-rank", "1", *args)
+    assert first.finish() == 0, first.output
+    assert second.finish() == 0, second.output
+    assert "world size 2" in first.output
