@@ -162,11 +162,12 @@ class Coordinator:
         s.standby_ports[node] = msg["standby_port"]
         s.identities[node] = identity
         s.last_seen[node] = now
-        if s.phase == "joining":
+        if s.phase == "joining" and (node in s.round_joined or len(s.round_joined) < s.max_nodes):
             s.round_joined.add(node)
             if len(s.round_joined) >= s.min_nodes and s.min_reached_at is None:
                 s.min_reached_at = now
-        elif node not in s.group_ranks and len(s.group_ranks) < s.max_nodes:
+        elif (s.phase in ("waiting_store", "running") and node not in s.group_ranks
+              and len(s.group_ranks) < s.max_nodes):
             # A late joiner within MAX: scale up at the next safe point, i.e. now (a restart).
             self._start_new_round(f"node {node} joined: scaling up to {len(s.group_ranks) + 1} "
                                   "nodes", s.restart_count, delay=0.0, now=now)
@@ -196,6 +197,8 @@ class Coordinator:
         s.round_joined.clear()
         s.joining_since = now
         s.min_reached_at = None
+        waiting = sorted(n for n in s.members if n not in s.group_ranks)  # idle, already joined
+        s.round_joined.update(waiting[:max(0, s.max_nodes - len(s.group_ranks))])
 
     def _complete_round(self) -> None:
         s = self._state

@@ -1,0 +1,111 @@
+"""The coordinator's state machine under random event sequences (hypothesis, no sockets).
+
+Messages go straight into its handler and its sends are captured by a stand-in socket with
+the one method the coordinator uses; the invariants below must hold after every step.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from launcher.coordinator import Coordinator, JobState
+from launcher.protocol import Codec, Message
+
+SECRET = b"k" * 32
+NODES = [f"n{i}" for i in range(5)]
+
+
+class CapturingSocket:
+    def __init__(self) -> None:
+        self.codec = Codec(SECRET)
+        self.sent: list[tuple[bytes, Message]] = []
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        self.sent.append((frames[0], self.codec.decode(frames[1:])))
+
+
+class CoordinatorMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 1000.0
+        self.socket = CapturingSocket()
+        self.state = JobState(min_nodes=1, max_nodes=3, max_restarts=2, policy="cold",
+                              backoff=1.0, backoff_max=4.0, exit_barrier_timeout=30.0,
+                              node_timeout=5.0, last_call=1.0, join_timeout=60.0,
+                              host_node="n0", joining_since=self.now)
+        self.coordinator = Coordinator(self.socket, SECRET, self.state)
+        self.last_epoch = 0
+        self.final = None
+
+    def _deliver(self, node: str, kind: str, epoch: int | None = None, **fields) -> None:
+        msg = Message(kind, self.state.epoch if epoch is None else epoch, fields)
+        self.coordinator._handle(node.encode(), msg, self.now)
+
+    @rule(node=st.sampled_from(NODES), size=st.integers(1, 4))
+    def join(self, node, size):
+        self._deliver(node, "join", node_id=node, local_world_size=size, addr="10.0.0.1",
+                      standby_port=4000)
+
+    @rule(node=st.sampled_from(NODES))
+    def heartbeat(self, node):
+        self._deliver(node, "heartbeat", epoch=0, node_id=node)
+
+    @precondition(lambda self: self.state.phase == "waiting_store")
+    @rule()
+    def store_ready(self):
+        self._deliver("n0", "store_ready", master_addr="10.0.0.1", master_port=29500)
+
+    @rule(node=st.sampled_from(NODES), stale=st.booleans())
+    def failure(self, node, stale):
+        self._deliver(node, "failure", epoch=self.state.epoch - stale, node_id=node, rank=0,
+                      local_rank=0, exit_code=1, signal="", cause="boom")
+
+    @rule(node=st.sampled_from(NODES))
+    def finished(self, node):
+        self._deliver(node, "finished", node_id=node)
+
+    @rule(dt=st.sampled_from([0.1, 0.6, 1.5, 6.0]))
+    def time_passes(self, dt):
+        self.now += dt
+        for node in self.state.members:  # live nodes keep heartbeating, except sometimes
+            if node != "n4":
+                self.state.last_seen[node] = self.now
+        self.coordinator._tick(self.now)
+
+    @invariant()
+    def epoch_only_grows_and_budget_holds(self):
+        assert self.state.epoch >= self.last_epoch
+        self.last_epoch = self.state.epoch
+        assert 0 <= self.state.restart_count <= self.state.max_restarts
+
+    @invariant()
+    def round_is_well_formed(self):
+        if self.state.phase in ("waiting_store", "running"):
+            ranks = sorted(self.state.group_ranks.values())
+            assert ranks == list(range(len(ranks)))
+            assert 1 <= len(ranks) <= self.state.max_nodes
+
+    @invariant()
+    def assignments_of_one_round_agree(self):
+        by_epoch: dict[int, list[Message]] = {}
+        for _, msg in self.socket.sent:
+            if msg.type == "assign":
+                by_epoch.setdefault(msg.epoch, []).append(msg)
+        for assigns in by_epoch.values():
+            sizes = {m["world_size"] for m in assigns}
+            assert len(sizes) == 1
+            offsets = sorted(m["rank_offset"] for m in assigns)
+            assert offsets[0] == 0 and len(set(offsets)) == len(offsets)
+
+    @invariant()
+    def the_end_is_final(self):
+        if self.final is not None:
+            assert self.state.final == self.final and self.state.phase == "done"
+        self.final = self.state.final
+
+
+CoordinatorMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,
+                                                deadline=None)
+TestCoordinatorStateMachine = CoordinatorMachine.TestCase
