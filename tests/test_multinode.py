@@ -21,7 +21,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_listening(port: int, timeout: float = 30) -> None:
+def _wait_listening(port: int, timeout: float = 90) -> None:
     """Block until something listens on ``port`` (the first agent hosts the coordinator)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
