@@ -238,7 +238,8 @@ class Agent:
         """The coordinator's node went silent: stop our ranks and re-join its successor."""
         lost = self.control.coordinator_node
         self._stop_ranks(self.config.stop_timeout)
-        successor = self.control.fail_over(self.epoch, self.restart_count)
+        group_world_size = self.assignment["group_world_size"] if self.assignment else 0
+        successor = self.control.fail_over(self.epoch, self.restart_count, group_world_size)
         if successor is None:
             self._finish(exit_codes.JOB_FAILED, f"coordinator node {lost} lost, no successor")
             return

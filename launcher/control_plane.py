@@ -127,7 +127,7 @@ class ControlPlane:
         return not self.hosting and bool(self.members) and \
             now - self.last_heard > self._node_timeout
 
-    def fail_over(self, epoch: int, restart_count: int) -> str | None:
+    def fail_over(self, epoch: int, restart_count: int, group_world_size: int) -> str | None:
         """Follow the coordinator to its successor (maybe us); returns the successor or None."""
         self._lost.add(self.coordinator_node)
         by_rank = [m[0] for m in self.members]
@@ -138,6 +138,7 @@ class ControlPlane:
         if successor == self.node_id and self.standby is not None:
             state = self.new_state_for_host()
             state.epoch, state.restart_count = epoch, restart_count
+            state.expected_count = group_world_size - len(self._lost)  # some not listed by name
             now = time.monotonic()
             for rank, (node, _, port) in enumerate(self.members):
                 if node in self._lost:

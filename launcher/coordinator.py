@@ -19,6 +19,11 @@ from launcher.protocol import Codec, Message, ProtocolError
 
 log = logging.getLogger("ftlaunch.coordinator")
 
+TICK_SECONDS = 0.05
+SUCCESSORS = 16
+"""An assign lists only the first group ranks: the nodes that may take over the coordinator.
+Enough for 15 coordinator losses in a row, and keeps each assign O(1) in the job's size."""
+
 
 @dataclass
 class JobState:
@@ -44,6 +49,7 @@ class JobState:
     last_seen: dict[str, float] = field(default_factory=dict)
     round_joined: set[str] = field(default_factory=set)
     expected: set[str] = field(default_factory=set)  # who the round waits for; empty: MAX/last call
+    expected_count: int = 0  # and how many, when not all are known by name (after a takeover)
     joining_since: float = field(default_factory=time.monotonic)
     min_reached_at: float | None = None
     group_ranks: dict[str, int] = field(default_factory=dict)  # nodes in the running round
@@ -96,21 +102,32 @@ class Coordinator:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        next_tick = 0.0
         while not self._stopping.is_set():
-            if poller.poll(50):
-                frames = self._socket.recv_multipart()
+            if poller.poll(TICK_SECONDS * 1000):
+                self._drain()
+            if time.monotonic() >= next_tick:  # liveness scans are O(N): not once a message
+                next_tick = time.monotonic() + TICK_SECONDS
                 try:
-                    if len(frames) < 2:
-                        raise ProtocolError("no identity frame")
-                    self._handle(frames[0], self._codec.decode(frames[1:]), time.monotonic())
-                except ProtocolError as e:
-                    log.warning("dropped control message: %s", e)
-                except Exception:  # a bug must not silently stop the job's only decider
-                    log.exception("coordinator failed to handle a message")
+                    self._tick(time.monotonic())
+                except Exception:
+                    log.exception("coordinator tick failed")
+
+    def _drain(self) -> None:
+        """Handle every message already queued."""
+        while True:
             try:
-                self._tick(time.monotonic())
-            except Exception:
-                log.exception("coordinator tick failed")
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                if len(frames) < 2:
+                    raise ProtocolError("no identity frame")
+                self._handle(frames[0], self._codec.decode(frames[1:]), time.monotonic())
+            except ProtocolError as e:
+                log.warning("dropped control message: %s", e)
+            except Exception:  # a bug must not silently stop the job's only decider
+                log.exception("coordinator failed to handle a message")
 
     def _send(self, identity: bytes, kind: str, **fields) -> None:
         self._socket.send_multipart([identity, *self._codec.encode(kind, self._state.epoch, **fields)])
@@ -128,7 +145,7 @@ class Coordinator:
             self._send(identity, "stop", exit_code=s.final[0], reason=s.final[1])
             return
         if msg.type == "heartbeat":
-            if node in s.members:
+            if node in s.members or node in s.group_ranks:  # after a takeover: not joined yet
                 s.last_seen[node] = now
                 s.identities[node] = identity
             self._send(identity, "heartbeat_ack")
@@ -139,7 +156,7 @@ class Coordinator:
         if msg.epoch != s.epoch:
             log.info("ignored stale %s (epoch %d, now %d)", msg.type, msg.epoch, s.epoch)
             return
-        if node is not None:
+        if node in s.members:
             s.last_seen[node] = now
         if msg.type == "store_ready" and s.phase == "waiting_store":
             s.phase = "running"
@@ -191,6 +208,7 @@ class Coordinator:
         s = self._state
         s.restart_count = restart_count
         s.expected = set(s.group_ranks)
+        s.expected_count = max(s.expected_count, len(s.expected))
         self._broadcast_round("recover", policy=s.policy, restart_count=restart_count,
                               delay=delay, cause=cause)
         s.phase = "joining"
@@ -203,13 +221,14 @@ class Coordinator:
     def _complete_round(self) -> None:
         s = self._state
         s.epoch += 1
+        s.expected_count = 0
         s.finished.clear()
         s.first_finished_at = None
         assignments = membership.assign_ranks([s.members[n] for n in s.round_joined],
                                               s.group_ranks)
         s.group_ranks = {a.node_id: a.group_rank for a in assignments}
         members = [[a.node_id, s.members[a.node_id].addr, s.standby_ports[a.node_id]]
-                   for a in assignments]
+                   for a in assignments[:SUCCESSORS]]
         s.phase = "waiting_store"
         for a in assignments:
             self._send(s.identities[a.node_id], "assign", group_rank=a.group_rank,
@@ -237,7 +256,8 @@ class Coordinator:
             self._lose(node, now)
         if s.final is None and s.phase == "joining":
             if membership.round_complete(s.round_joined, s.expected, s.min_nodes,
-                                         s.max_nodes, s.min_reached_at, now, s.last_call):
+                                         s.max_nodes, s.min_reached_at, now, s.last_call,
+                                         s.expected_count):
                 self._complete_round()
             elif now - s.joining_since > s.join_timeout:
                 self._finish(exit_codes.JOB_FAILED,
@@ -261,3 +281,4 @@ class Coordinator:
             if in_round:
                 self._recover_from(f"node {node} lost (no heartbeat for {s.node_timeout:g}s)", now)
         s.expected.discard(node)
+        s.expected_count = max(0, s.expected_count - 1)

@@ -128,7 +128,7 @@ def test_forged_replayed_and_garbage_messages_harm_nothing(tmp_path, launch):
 
     context = zmq.Context()
     rogue = context.socket(zmq.DEALER)
-    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.setsockopt(zmq.LINGER, 5000)  # deliver everything before close
     rogue.connect(f"tcp://127.0.0.1:{port}")
     wrong_key = Codec(b"not-the-job-secret-at-all")
     right_key = Codec(hashlib.sha256(b"s3cret-job-key").digest())
@@ -143,7 +143,7 @@ def test_forged_replayed_and_garbage_messages_harm_nothing(tmp_path, launch):
         rogue.send_multipart(frames)
     rogue.close()
     rogue = context.socket(zmq.DEALER)
-    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.setsockopt(zmq.LINGER, 5000)  # deliver everything before close
     rogue.connect(f"tcp://127.0.0.1:{port}")
     rogue.send_multipart(stale)  # signed right, but for an epoch long gone: ignored
     rogue.send_multipart(stale)  # and replayed: dropped
