@@ -64,7 +64,7 @@ class Agent:
         self.shutdown_signal: int | None = None
         self.kill_at: float | None = None
         self.restart_count = 0
-        self.started_at = time.monotonic()
+        self.started_at = self.last_loop = time.monotonic()
         self.exit_code: int | None = None
 
     def _job_state(self) -> JobState:
@@ -221,6 +221,12 @@ class Agent:
             if self.recovery is not None:
                 self.recovery.mark("backoff")
             self._join()
+        if now - self.last_loop > self.config.node_timeout / 2:
+            # We were frozen (SIGSTOP, VM pause): the silence was ours, not the coordinator's.
+            # Speak first; if we were dropped meanwhile, the coordinator tells us to re-join.
+            self.control.last_heard = now
+            self.control.next_heartbeat = now
+        self.last_loop = now
         self.control.heartbeat_if_due(now)
         if self.control.coordinator_lost(now) and self.shutdown_signal is None:
             self._follow_coordinator()

@@ -141,11 +141,6 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as e:
         print(f"ftlaunch: error: {e}", file=sys.stderr)
         code = exit_codes.USAGE
-    # Exit now: a daemon thread may still be importing torch for a store nobody needs, and
-    # interpreter shutdown would wait for it. Everything the agent owns is already closed.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(code)
 
 

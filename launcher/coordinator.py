@@ -148,7 +148,10 @@ class Coordinator:
             if node in s.members or node in s.group_ranks:  # after a takeover: not joined yet
                 s.last_seen[node] = now
                 s.identities[node] = identity
-            self._send(identity, "heartbeat_ack")
+                self._send(identity, "heartbeat_ack")
+            else:  # declared lost but alive (it froze, or the network healed): come back in
+                self._send(identity, "recover", policy=s.policy, restart_count=s.restart_count,
+                           delay=0.0, cause=f"node {node} was dropped from the job; re-joining")
             return
         if msg.type == "join":
             self._on_join(identity, msg, now)

@@ -32,9 +32,18 @@ _libc = ctypes.CDLL(None, use_errno=True)
 def _become_rank(agent_pid: int) -> None:
     """Runs in the child between fork and exec: own process group, die with the agent."""
     os.setpgid(0, 0)
+    _die_with(agent_pid)
+
+
+def _die_with(agent_pid: int) -> None:
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != agent_pid:  # the agent died before prctl took effect
         os._exit(1)
+
+
+def die_with_agent(agent_pid: int) -> Callable[[], None]:
+    """A ``preexec_fn`` for helper processes of the agent: killed when the agent dies."""
+    return functools.partial(_die_with, agent_pid)
 
 
 @dataclass

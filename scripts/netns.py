@@ -1,7 +1,8 @@
 """Throwaway "machines" on one host: network namespaces on a private bridge.
 
 Node K of a cluster is a network namespace with its own ``eth0`` at 10.200.0.K/24, a hosts
-file naming every node (``/etc/netns/<ns>/hosts``) and, for whatever runs on it, its own
+file naming every node and a resolver that asks no one outside (``/etc/netns/<ns>/``,
+bind-mounted over /etc by ``ip netns exec``) and, for whatever runs on it, its own
 hostname ``nodeK`` (a fresh UTS namespace). Faults are iptables rules inside a node's
 namespace: a partition drops everything on its ``eth0``, packet loss drops a random share.
 The filesystem and the PID namespace are shared, like a cluster on a shared FSx/EFS whose
@@ -12,7 +13,7 @@ and records its owner in ``/run/ftlaunch-netns/<id>.json`` before creating anyth
 crashed run never breaks the next: ``clean_stale()`` removes clusters whose owner is gone.
 Needs root, ``ip`` (iproute2), ``iptables``, ``unshare`` and ``hostname``.
 
-    python scripts/netns.py up 3        # prints the id; owner = the calling shell
+    python scripts/netns.py up 3 --owner $$   # prints the id; stale once $$ is gone
     python scripts/netns.py exec ID 2 -- sh -c 'hostname; ip -br addr'
     python scripts/netns.py down ID
     python scripts/netns.py clean       # clusters whose owner is gone, and stray ftn*/br-ft*
@@ -187,6 +188,9 @@ class Cluster:
         for n in self.nodes:
             (NETNS_ETC / n.ns).mkdir(parents=True, exist_ok=True)
             (NETNS_ETC / n.ns / "hosts").write_text(hosts)
+            # No DNS server but the node's own loopback: lookups fail at once, none leaves.
+            (NETNS_ETC / n.ns / "resolv.conf").write_text(
+                "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
             sh("ip", "netns", "add", n.ns)
             sh("ip", "link", "add", n.veth, "type", "veth", "peer", "name", "eth0",
                "netns", n.ns)
