@@ -120,7 +120,7 @@ def _check_fields(kind: Any, fields: dict[str, Any]) -> None:
     if schema is None:
         raise ProtocolError(f"unknown message type {kind!r}")
     if set(fields) != set(schema):
-        raise ProtocolError(f"{kind}: fields {sorted(fields)} != {sorted(schema)}")
+        raise ProtocolError(f"{kind}: fields {sorted(map(repr, fields))} != {sorted(schema)}")
     for name, expected in schema.items():
         value = fields[name]
         if callable(expected) and not isinstance(expected, (type, tuple)):
