@@ -46,6 +46,8 @@ class Agent:
             config.rdzv_endpoint_parts() or (config.master_addr, config.master_port or 29400))
         self.addr = config.local_addr or (
             config.master_addr if self.endpoint is None else outgoing_addr(self.endpoint[0]))
+        static_form = config.rdzv_backend == "static" and not config.rdzv_endpoint
+        self.rank_hint = config.node_rank if static_form and self.endpoint else -1
         self.secret = job_secret(config.secret_file, self.run_id, self.endpoint is None)
         self.command = rank_command(script, script_args, module=config.module,
                                     no_python=config.no_python)
@@ -258,7 +260,8 @@ class Agent:
     def _join(self) -> None:
         self.control.send("join", self.epoch, node_id=self.node_id,
                           local_world_size=self.local_world_size, addr=self.addr,
-                          standby_port=self.control.standby_port or 0)
+                          standby_port=self.control.standby_port or 0,
+                          rank_hint=self.rank_hint)
 
     def _join_timeout(self) -> float:
         return float(self.config.rdzv_settings().get("join_timeout", 600.0))

@@ -178,7 +178,8 @@ class Coordinator:
     def _on_join(self, identity: bytes, msg: Message, now: float) -> None:
         s = self._state
         node = msg["node_id"]
-        s.members[node] = membership.Member(node, msg["local_world_size"], msg["addr"])
+        s.members[node] = membership.Member(node, msg["local_world_size"], msg["addr"],
+                                            msg["rank_hint"])
         s.standby_ports[node] = msg["standby_port"]
         s.identities[node] = identity
         s.last_seen[node] = now

@@ -10,6 +10,7 @@ class Member:
     node_id: str
     local_world_size: int
     addr: str
+    rank_hint: int = -1  # --node-rank of torchrun's static form; -1 when not given
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,14 @@ def assign_ranks(members: list[Member], previous: dict[str, int] | None = None) 
     """Give each member a group rank and a contiguous block of global ranks.
 
     Nodes keep their previous group rank where they had one (stable across rounds);
-    newcomers follow in node-id order, so every node computes the same answer.
+    newcomers follow by ``--node-rank`` where given, then in node-id order, so every node
+    computes the same answer.
     """
     previous = previous or {}
-    ordered = sorted(members, key=lambda m: (previous.get(m.node_id, len(previous)), m.node_id))
+    unhinted = 1 << 30
+    ordered = sorted(members, key=lambda m: (previous.get(m.node_id, len(previous)),
+                                             m.rank_hint if m.rank_hint >= 0 else unhinted,
+                                             m.node_id))
     world_size = sum(m.local_world_size for m in ordered)
     assignments, offset = [], 0
     for group_rank, m in enumerate(ordered):

@@ -35,7 +35,8 @@ def _members(value: Any) -> bool:
 
 SCHEMA: dict[str, dict[str, Any]] = {
     # agent -> coordinator
-    "join": {"node_id": _STR, "local_world_size": _INT, "addr": _STR, "standby_port": _INT},
+    "join": {"node_id": _STR, "local_world_size": _INT, "addr": _STR, "standby_port": _INT,
+             "rank_hint": _INT},
     "heartbeat": {"node_id": _STR},
     "store_ready": {"master_addr": _STR, "master_port": _INT},
     "failure": {"node_id": _STR, "rank": _INT, "local_rank": _INT, "exit_code": _OPT_INT,

@@ -144,6 +144,7 @@ def ft_agents(port, n, node_loss, limit):
     t0, cpu = time.monotonic(), cpu_seconds()
     for i in range(n):
         w.send(i, "join", node_id=node_id(i), local_world_size=LOCAL_WORLD, addr="127.0.0.1",
+               rank_hint=-1,
                standby_port=20000 + i)
     w.pump(lambda: w.all_got("assign"), limit)
     assigns = {i: m for i, (_, m) in w.got["assign"].items()}
@@ -263,6 +264,7 @@ def bench_failover(n=64, node_timeout=1.0, interval=0.2, limit=30.0):
 
     def join(p):
         p.send("join", 0, node_id=p.node_id, local_world_size=LOCAL_WORLD, addr="127.0.0.1",
+               rank_hint=-1,
                standby_port=p.standby_port)
 
     def run_until(done):  # the agent's loop, as far as the control plane goes

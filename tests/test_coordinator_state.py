@@ -46,7 +46,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @rule(node=st.sampled_from(NODES), size=st.integers(1, 4))
     def join(self, node, size):
         self._deliver(node, "join", node_id=node, local_world_size=size, addr="10.0.0.1",
-                      standby_port=4000)
+                      standby_port=4000, rank_hint=-1)
 
     @rule(node=st.sampled_from(NODES))
     def heartbeat(self, node):

@@ -369,3 +369,11 @@ def test_successor_is_lowest_surviving_group_rank():
     assert successor(order, {"n0"}) == "n1"
     assert successor(order, {"n0", "n1"}) == "n2"
     assert successor(order, set(order)) is None
+
+
+def test_rank_hints_order_newcomers_but_never_move_old_members():
+    members = [Member("b", 1, "x", rank_hint=0), Member("a", 1, "x", rank_hint=1),
+               Member("c", 1, "x")]
+    assert [a.node_id for a in assign_ranks(members)] == ["b", "a", "c"]
+    previous = {"a": 0, "b": 1}
+    assert [a.node_id for a in assign_ranks(members, previous)] == ["a", "b", "c"]

@@ -164,9 +164,10 @@ def test_torchrun_static_form_command_line(tmp_path, launch):
     args = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
             "--master-port", str(port), *FAST_LIVENESS,
             *_train_args(tmp_path, steps=10)]
-    first = launch("--node-rank", "0", *args)
+    first = launch("--node-rank", "1", *args)  # started first, hosts the coordinator...
     _wait_listening(port)
-    second = launch("--node-rank", "1", *args)
+    second = launch("--node-rank", "0", *args)
     assert first.finish() == 0, first.output
     assert second.finish() == 0, second.output
     assert "world size 2" in first.output
+    assert "start rank 0 world 2" in second.output  # ...but --node-rank 0 holds rank 0
