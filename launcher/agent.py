@@ -48,6 +48,7 @@ class Agent:
             config.master_addr if self.endpoint is None else outgoing_addr(self.endpoint[0]))
         static_form = config.rdzv_backend == "static" and not config.rdzv_endpoint
         self.rank_hint = config.node_rank if static_form and self.endpoint else -1
+        self.last_call_timeout, self.join_timeout = config.rdzv_timeouts()
         self.secret = job_secret(config.secret_file, self.run_id, self.endpoint is None)
         self.command = rank_command(script, script_args, module=config.module,
                                     no_python=config.no_python)
@@ -71,11 +72,11 @@ class Agent:
 
     def _job_state(self) -> JobState:
         """A fresh coordinator state from this node's config (every node has the same)."""
-        c, rdzv = self.config, self.config.rdzv_settings()
+        c = self.config
         return JobState(self.min_nodes, self.max_nodes, c.max_restarts, c.restart_policy,
                         c.restart_backoff, c.restart_backoff_max, c.exit_barrier_timeout,
-                        c.node_timeout, float(rdzv.get("last_call_timeout", 1.0)),
-                        float(rdzv.get("join_timeout", 600.0)), host_node=self.node_id)
+                        c.node_timeout, self.last_call_timeout, self.join_timeout,
+                        host_node=self.node_id)
 
     # --- the main loop: read top to bottom ---------------------------------------------------
 
@@ -232,8 +233,8 @@ class Agent:
         self.control.heartbeat_if_due(now)
         if self.control.coordinator_lost(now) and self.shutdown_signal is None:
             self._follow_coordinator()
-        elif self.assignment is None and now - self.started_at > self._join_timeout():
-            self.events.emit("job_failed", f"no rendezvous within {self._join_timeout():g}s at "
+        elif self.assignment is None and now - self.started_at > self.join_timeout:
+            self.events.emit("job_failed", f"no rendezvous within {self.join_timeout:g}s at "
                              f"{self.endpoint}; check --rdzv-endpoint and that the other nodes "
                              "are up", exit_code=exit_codes.JOB_FAILED)
             self.exit_code = exit_codes.JOB_FAILED
@@ -262,9 +263,6 @@ class Agent:
                           local_world_size=self.local_world_size, addr=self.addr,
                           standby_port=self.control.standby_port or 0,
                           rank_hint=self.rank_hint)
-
-    def _join_timeout(self) -> float:
-        return float(self.config.rdzv_settings().get("join_timeout", 600.0))
 
     def _poll_timeout_ms(self) -> int:
         deadlines = [t for t in (self.rejoin_at, self.kill_at) if t is not None]

@@ -87,8 +87,6 @@ def parse_args(argv: list[str]) -> tuple[LaunchConfig, str, list[str]]:
     command = _build_command()
     try:
         ctx = command.make_context("ftlaunch", list(argv))
-    except click.exceptions.Exit:
-        raise
     except click.UsageError as e:
         raise UsageError(e.format_message().replace("\n", " ")) from None
     values = ctx.params

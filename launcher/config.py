@@ -182,6 +182,21 @@ class LaunchConfig:
             settings[key.strip()] = value.strip()
         return settings
 
+    def rdzv_timeouts(self) -> tuple[float, float]:
+        """(last_call_timeout, join_timeout) seconds from ``--rdzv-conf``, with defaults."""
+        settings = self.rdzv_settings()
+        result = []
+        for key, default in (("last_call_timeout", 1.0), ("join_timeout", 600.0)):
+            value = settings.get(key, default)
+            try:
+                seconds = float(value)
+            except ValueError:
+                seconds = -1.0
+            if seconds < 0:
+                raise UsageError(f"--rdzv-conf {key}={value!r} is not a number of seconds")
+            result.append(seconds)
+        return result[0], result[1]
+
     def rdzv_endpoint_parts(self, default_port: int = 29400) -> tuple[str, int] | None:
         """``--rdzv-endpoint HOST[:PORT]`` as (host, port), or None when not given."""
         text = self.rdzv_endpoint.strip()
@@ -217,14 +232,7 @@ class LaunchConfig:
             raise UsageError(f"--master-port {self.master_port} is not a TCP port; use 1..65535 or 0")
         if self.heartbeat_interval <= 0 or self.node_timeout <= self.heartbeat_interval:
             raise UsageError("--node-timeout must exceed --heartbeat-interval, which must be > 0")
-        for key in ("join_timeout", "last_call_timeout"):
-            value = self.rdzv_settings().get(key)
-            try:
-                ok = value is None or float(value) >= 0
-            except ValueError:
-                ok = False
-            if not ok:
-                raise UsageError(f"--rdzv-conf {key}={value!r} is not a number of seconds")
+        self.rdzv_timeouts()
         for name in ("restart_backoff", "restart_backoff_max", "grace_period", "stop_timeout",
                      "exit_barrier_timeout", "monitor_interval"):
             if getattr(self, name) < 0:

@@ -117,7 +117,12 @@ def launch(tmp_path, launcher_env):
         return run
 
     yield _launch
-    for run in started:
+    kill_unfinished(started)
+
+
+def kill_unfinished(runs: list[Launch]) -> None:
+    """Teardown: SIGKILL every launch still running (the orphan check then sees its ranks)."""
+    for run in runs:
         if run.proc.poll() is None:
             run.proc.kill()
             run.proc.wait(10)

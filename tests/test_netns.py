@@ -20,7 +20,7 @@ import threading
 import time
 
 import pytest
-from conftest import ROOT, SCRIPTS, TAG_VAR, Launch, wait_no_tagged
+from conftest import ROOT, SCRIPTS, TAG_VAR, Launch, kill_unfinished, wait_no_tagged
 
 _spec = importlib.util.spec_from_file_location("ftlaunch_netns", SCRIPTS / "netns.py")
 netns = importlib.util.module_from_spec(_spec)
@@ -121,11 +121,8 @@ def nodes(cluster, launcher_env, tmp_path):
         return run
 
     yield start
-    for run in started:
-        if run.proc.poll() is None:
-            run.proc.kill()
-            run.proc.wait(10)
-        # What each machine printed, for a post-mortem.
+    kill_unfinished(started)
+    for run in started:  # what each machine printed, for a post-mortem
         (tmp_path / f"{run.node.hostname}.log").write_text(run.drain() + "\n")
 
 
