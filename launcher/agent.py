@@ -19,16 +19,24 @@ from pathlib import Path
 
 import zmq
 
-from launcher import UsageError, exit_codes, failures
+from launcher import UsageError, exit_codes, failures, stacks
 from launcher.config import LaunchConfig
 from launcher.control_plane import ControlPlane, job_secret, outgoing_addr
 from launcher.coordinator import JobState
 from launcher.events import EventLog, PhaseClock
+from launcher.hang_detection import HangTimeouts
 from launcher.orphan_guard import OrphanGuard
+from launcher.pool_process import STACK_SIGNAL_ENV, STACKS_FILE_ENV
 from launcher.protocol import Message
-from launcher.rank_env import Attempt, rank_command
+from launcher.rank_env import Attempt, pre_import_env
+from launcher.rank_hub import HUB_ENV, RankHub
 from launcher.store import AgentStore
-from launcher.workers import OutputPlan, RankExit, WorkerGroup
+from launcher.warm_pool import WarmPool
+from launcher.workers import OutputPlan, Program, Rank, RankExit, WorkerGroup, rank_preexec_fn
+
+POOL_FILL_DELAY = 2.0
+"""Seconds after ranks start before the warm pool (re)fills: their own start-up comes first."""
+HANG_CHECK_INTERVAL = 0.1
 
 log = logging.getLogger("ftlaunch.agent")
 
@@ -50,8 +58,9 @@ class Agent:
         self.rank_hint = config.node_rank if static_form and self.endpoint else -1
         self.last_call_timeout, self.join_timeout = config.rdzv_timeouts()
         self.secret = job_secret(config.secret_file, self.run_id, self.endpoint is None)
-        self.command = rank_command(script, script_args, module=config.module,
-                                    no_python=config.no_python)
+        self.program = Program(script, script_args, config.module, config.no_python)
+        self.hang_timeouts = HangTimeouts(config.hang_timeout, config.startup_timeout,
+                                          config.section_timeout_map(), config.hang_timeout_factor)
         log_root = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="ftlaunch_"))
         self.log_dir = log_root / self.run_id
         self.output = OutputPlan(self.log_dir, config.stream_modes(self.local_world_size),
@@ -60,10 +69,15 @@ class Agent:
         self.epoch = 0
         self.assignment: Message | None = None
         self.store: AgentStore | None = None
-        self.workers: WorkerGroup | None = None
+        self.spare_store: AgentStore | None = None  # next attempt's, already importing torch
         self.first_failure: failures.RankFailure | None = None
         self.recovery: PhaseClock | None = None  # set from a failure until ranks are back
+        self.policy = config.restart_policy  # of the recovery under way
+        self.parked: dict[int, Rank] = {}  # local rank -> process waiting to resume in place
+        self.parking_until: float | None = None  # survivors have until then to park
         self.rejoin_at: float | None = None
+        self.pool_fill_at: float | None = None
+        self.hang_check_at = 0.0
         self.shutdown_signal: int | None = None
         self.kill_at: float | None = None
         self.restart_count = 0
@@ -76,7 +90,7 @@ class Agent:
         return JobState(self.min_nodes, self.max_nodes, c.max_restarts, c.restart_policy,
                         c.restart_backoff, c.restart_backoff_max, c.exit_barrier_timeout,
                         c.node_timeout, self.last_call_timeout, self.join_timeout,
-                        host_node=self.node_id)
+                        host_node=self.node_id, max_stalled=c.max_stalled_recoveries)
 
     # --- the main loop: read top to bottom ---------------------------------------------------
 
@@ -88,14 +102,15 @@ class Agent:
                 for fd, _ in self.poller.poll(self._poll_timeout_ms()):
                     if fd is self.control.socket:
                         self._on_control_message()
+                    elif fd is self.hub.socket:
+                        self._on_rank_messages()
                     elif fd == self.signal_fd:
                         self._on_signals()
-                    elif self.workers is not None:
+                    else:
                         exit_ = self.workers.on_readable(fd)
-                        if fd not in self.workers.fds():
-                            self.poller.unregister(fd)
                         if exit_ is not None:
                             self._on_rank_exit(exit_)
+                self._sync_poller()
                 self._on_timers(time.monotonic())
             return self.exit_code
         finally:
@@ -112,8 +127,9 @@ class Agent:
             self.assignment = msg
             if msg["group_rank"] == 0:  # the node holding torch's store for this attempt
                 try:
-                    port = self.config.master_port if self.endpoint is None else 0
-                    self.store = AgentStore(self.addr, port)
+                    self.store, self.spare_store = self.spare_store, None
+                    if self.store is None:
+                        self.store = AgentStore(self.addr, self._store_port())
                 except OSError as e:
                     raise UsageError(f"cannot serve torch's store on {self.addr}:"
                                      f"{self.config.master_port}: {e.strerror}; pick another "
@@ -129,6 +145,7 @@ class Agent:
             self._finish(msg["exit_code"], msg["reason"])
 
     def _start_ranks(self, msg: Message) -> None:
+        """Each local rank: resume its parked process, or take a warm one, or start afresh."""
         a = self.assignment
         assert a is not None
         self.restart_count = msg["restart_count"]
@@ -136,18 +153,33 @@ class Agent:
                           a["rank_offset"], a["world_size"], self.local_world_size,
                           msg["master_addr"], msg["master_port"], msg["restart_count"],
                           a["max_restarts"], self.config.signals_to_handle)
-        self.workers = WorkerGroup(attempt, self.command, self.output, self.guard)
-        self.workers.start()
-        for fd in self.workers.fds():
-            self.poller.register(fd, zmq.POLLIN)
+        now = time.monotonic()
+        self.hub.reset_steps()
+        sources = {"resumed": [], "warm": [], "fresh": []}
+        for local_rank in range(self.local_world_size):
+            kept = self.parked.pop(local_rank, None)
+            if kept is not None:
+                env = self.workers.resume(kept, attempt)
+                self.hub.track(kept.proc.pid, now)
+                self.hub.send(kept.proc.pid, "resume", env=env)
+                sources["resumed"].append(kept.rank)
+                continue
+            warm = self.pool.take(local_rank) if self.pool and self.policy != "cold" else None
+            rank = self.workers.spawn(attempt, local_rank, warm)
+            self.hub.track(rank.proc.pid, now)
+            self.hub.links[rank.proc.pid].stacks = warm is not None  # armed by the pool
+            sources["warm" if warm else "fresh"].append(rank.rank)
         self.first_failure = None
+        self.pool_fill_at = now + POOL_FILL_DELAY
         if self.recovery is not None:
             self.recovery.mark("spawn")
-            phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.recovery.phases.items())
-            self.events.emit("recovered", f"restart {attempt.restart_count}: new ranks spawned "
-                             f"{self.recovery.total:.2f}s after the failure ({phases})",
+            phases = ", ".join(f"{k} {v:.3f}s" for k, v in self.recovery.phases.items())
+            how = "; ".join(f"{k} {v}" for k, v in sources.items() if v)
+            self.events.emit("recovered", f"restart {attempt.restart_count} ({self.policy}): "
+                             f"ranks back {self.recovery.total:.3f}s after the failure "
+                             f"({phases}; ranks {how})",
                              restart_count=attempt.restart_count, seconds=self.recovery.total,
-                             policy=self.config.restart_policy, phases=self.recovery.phases)
+                             policy=self.policy, phases=self.recovery.phases, **sources)
             self.recovery = None
         else:
             self.events.emit("started", f"started {self.local_world_size} ranks "
@@ -155,16 +187,46 @@ class Agent:
                              f"{self.log_dir})", world_size=attempt.world_size, run_id=self.run_id)
 
     def _recover(self, msg: Message) -> None:
-        """Cold policy: stop every rank, drop the store, re-join for a fresh round."""
+        """Stop what must go, let survivors that can re-enter in place park, then re-join."""
         self.recovery = self.recovery or PhaseClock()
         self.recovery.mark("decide")
-        self._stop_ranks(self.config.stop_timeout)
-        self.recovery.mark("stop")
+        self.policy = msg["policy"]
         self.events.emit("recovering", f"{msg['cause']} -> {msg['policy']} restart "
                          f"{msg['restart_count']}/{self.config.max_restarts}",
                          cause=msg["cause"], policy=msg["policy"],
                          restart_count=msg["restart_count"], delay=msg["delay"])
-        self.rejoin_at = time.monotonic() + msg["delay"]
+        self.rejoin_delay = msg["delay"]
+        self.parking_until = time.monotonic()
+        if self.policy == "rank":
+            self.parking_until += self.config.stop_timeout
+            for rank in self.workers.alive():
+                link = self.hub.links.get(rank.proc.pid)
+                if link is not None and link.restartable and not link.parked:
+                    self.hub.send(rank.proc.pid, "abort")
+        self._park_or_stop(time.monotonic())
+
+    def _park_or_stop(self, now: float) -> None:
+        """Once every re-enterable survivor parked (or time is up), stop all the others."""
+        if self.parking_until is None:
+            return
+        parked, others = [], []
+        for rank in self.workers.alive():
+            link = self.hub.links.get(rank.proc.pid)
+            if link is not None and link.parked:
+                parked.append(rank)
+            elif link is not None and link.restartable and now < self.parking_until:
+                return  # still leaving its training function
+            else:
+                others.append(rank)
+        late = [r.rank for r in others if (link := self.hub.links.get(r.proc.pid)) and link.restartable]
+        if late:
+            self.events.emit("escalated", f"ranks {late} did not leave their training function "
+                             f"within {self.config.stop_timeout:g}s: replacing them", ranks=late)
+        self.parking_until = None
+        self._stop_ranks(self.config.stop_timeout, others)
+        self.parked = {r.local_rank: r for r in parked}
+        self.recovery.mark("stop")
+        self.rejoin_at = time.monotonic() + self.rejoin_delay
 
     def _finish(self, exit_code: int, reason: str) -> None:
         if self.shutdown_signal is not None:
@@ -182,7 +244,7 @@ class Agent:
     # --- rank exits and signals ----------------------------------------------------------
 
     def _on_rank_exit(self, exit_: RankExit) -> None:
-        assert self.workers is not None
+        self.hub.forget(exit_.pid)
         if self.shutdown_signal is not None:
             if not self.workers.alive():
                 self.exit_code = exit_codes.SIGNAL_BASE + self.shutdown_signal
@@ -191,15 +253,49 @@ class Agent:
             if not self.workers.alive():
                 self._send("finished", node_id=self.node_id)
             return
-        if self.first_failure is None:
-            self.first_failure = exit_.failure
-            self.recovery = PhaseClock()
-            self.events.emit("rank_failed", f"rank {exit_.rank} {exit_.failure.cause}",
-                             rank=exit_.rank, local_rank=exit_.local_rank,
-                             exit_code=exit_.failure.exit_code, signal=exit_.failure.signal)
-            self._send("failure", node_id=self.node_id, rank=exit_.rank,
-                       local_rank=exit_.local_rank, exit_code=exit_.failure.exit_code,
-                       signal=exit_.failure.signal, cause=exit_.failure.cause)
+        self._report_failure(exit_.failure)
+        self._park_or_stop(time.monotonic())
+
+    def _on_rank_messages(self) -> None:
+        now = time.monotonic()
+        for pid in self.hub.receive(now):
+            rank = self.workers.by_pid(pid)
+            error = self.hub.links[pid].error
+            if rank is not None and error and self.recovery is None:
+                # It raised on its own and parked in restartable(): this rank's failure.
+                last = error.strip().splitlines()[-1] if error.strip() else "an exception"
+                self._report_failure(failures.RankFailure(
+                    rank.rank, rank.local_rank, pid, None, "", rank.error_file, time.time(),
+                    f"raised {last}", error))
+        self._park_or_stop(now)
+
+    def _report_failure(self, failure: failures.RankFailure) -> None:
+        """The first failure of an attempt goes to the coordinator; the rest are its echoes."""
+        if self.first_failure is not None:
+            return
+        self.first_failure = failure
+        self.recovery = PhaseClock()
+        self.events.emit("rank_failed", f"rank {failure.rank} {failure.cause}",
+                         rank=failure.rank, local_rank=failure.local_rank,
+                         exit_code=failure.exit_code, signal=failure.signal)
+        self._send("failure", node_id=self.node_id, rank=failure.rank,
+                   local_rank=failure.local_rank, exit_code=failure.exit_code,
+                   signal=failure.signal, cause=failure.cause, step=self.hub.best_step)
+
+    def _check_hangs(self, now: float) -> None:
+        """Capture a hung rank's stacks, then kill it: its exit is then a failure like any."""
+        for pid, reason in self.hub.hung(now, self.hang_timeouts):
+            rank, link = self.workers.by_pid(pid), self.hub.links[pid]
+            self.hub.forget(pid)
+            if rank is None:
+                continue
+            path = Path(rank.error_file).with_name("stacks.txt")
+            captured = stacks.capture(pid, path, self.config.stack_dump, link.stacks)
+            rank.cause = f"hung: {reason}; {captured}"
+            self.events.emit("rank_hung", f"rank {rank.rank} hung: {reason}; {captured}",
+                             rank=rank.rank, reason=reason, stacks=str(path))
+            self.workers.send_signal(signal.SIGCONT, [rank])
+            self.workers.send_signal(signal.SIGKILL, [rank])
 
     def _on_signals(self) -> None:
         for signum in os.read(self.signal_fd, 64):
@@ -213,12 +309,18 @@ class Agent:
                            reason=f"{signal.Signals(signum).name}")
             elif signum in (signal.SIGINT, signal.SIGTERM):
                 self.kill_at = time.monotonic()  # asked twice: stop waiting
-            if self.workers is not None:
-                self.workers.send_signal(signum)
-        if self.workers is None or not self.workers.alive():
+            self.workers.send_signal(signum)
+        if not self.workers.alive():
             self.exit_code = exit_codes.SIGNAL_BASE + (self.shutdown_signal or 0)
 
     def _on_timers(self, now: float) -> None:
+        self._park_or_stop(now)
+        if now >= self.hang_check_at and self.recovery is None:
+            self.hang_check_at = now + HANG_CHECK_INTERVAL
+            self._check_hangs(now)
+        if self.pool_fill_at is not None and now >= self.pool_fill_at:
+            self.pool_fill_at = None
+            self._warm_up()
         if self.rejoin_at is not None and now >= self.rejoin_at:
             self.rejoin_at = None
             if self.recovery is not None:
@@ -238,7 +340,7 @@ class Agent:
                              f"{self.endpoint}; check --rdzv-endpoint and that the other nodes "
                              "are up", exit_code=exit_codes.JOB_FAILED)
             self.exit_code = exit_codes.JOB_FAILED
-        if self.kill_at is not None and now >= self.kill_at and self.workers is not None:
+        if self.kill_at is not None and now >= self.kill_at:
             self.kill_at = None
             self.events.emit("grace_expired", "grace period over: SIGKILL to remaining ranks")
             self.workers.send_signal(signal.SIGKILL)
@@ -265,21 +367,52 @@ class Agent:
                           rank_hint=self.rank_hint)
 
     def _poll_timeout_ms(self) -> int:
-        deadlines = [t for t in (self.rejoin_at, self.kill_at) if t is not None]
+        deadlines = [t for t in (self.rejoin_at, self.kill_at, self.parking_until,
+                                 self.pool_fill_at) if t is not None]
         deadlines.append(self.control.next_heartbeat)
+        if self.hub.links and self.recovery is None:
+            deadlines.append(self.hang_check_at)
         return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
 
     # --- plumbing ------------------------------------------------------------------------
 
-    def _stop_ranks(self, timeout: float) -> None:
-        if self.workers is not None:
-            for fd in self.workers.fds():
-                self.poller.unregister(fd)
-            self.workers.stop(timeout, tick=lambda: self.control.heartbeat_if_due(time.monotonic()))
-            self.workers = None
+    def _stop_ranks(self, timeout: float, ranks: list[Rank] | None = None) -> None:
+        """Stop ``ranks`` (default: all, parked ones included, and the attempt's store)."""
+        for exit_ in self.workers.stop(timeout, ranks=ranks,
+                                       tick=lambda: self.control.heartbeat_if_due(time.monotonic())):
+            self.hub.forget(exit_.pid)
+        self._sync_poller()
+        if ranks is None:
+            self.parked.clear()
         if self.store is not None:
             self.store.close()
             self.store = None
+
+    def _warm_up(self) -> None:
+        """Off the training path: refill the warm pool, and prepare the next attempt's store."""
+        if self.pool is not None:
+            self.pool.fill(range(self.local_world_size))
+        if (self.spare_store is None and self.assignment is not None
+                and self.assignment["group_rank"] == 0 and self._store_port() == 0):
+            self.spare_store = AgentStore(self.addr, 0)
+
+    def _store_port(self) -> int:
+        """Torch's store port for the next attempt: the user's --master-port, or any."""
+        return self.config.master_port if self.endpoint is None else 0
+
+    def _rank_env(self, rank_dir: Path) -> dict[str, str]:
+        """ftlaunch's own variables for a rank: the hub, where its stacks go on a hang."""
+        return {HUB_ENV: self.hub.endpoint, STACKS_FILE_ENV: str(rank_dir / "stacks.txt"),
+                STACK_SIGNAL_ENV: str(int(stacks.STACK_SIGNAL))}
+
+    def _sync_poller(self) -> None:
+        """Poll exactly the live ranks' pidfds and output pipes."""
+        wanted = set(self.workers.fds())
+        for fd in self._polled - wanted:
+            self.poller.unregister(fd)
+        for fd in wanted - self._polled:
+            self.poller.register(fd, zmq.POLLIN)
+        self._polled = wanted
 
     def _send(self, kind: str, **fields) -> None:
         self.control.send(kind, self.epoch, **fields)
@@ -298,12 +431,24 @@ class Agent:
         signal.set_wakeup_fd(write_end)
         self._previous_handlers = {sig: signal.signal(sig, lambda *_: None)
                                    for sig in self.config.signals()}
+        self.hub = RankHub(self.context)
+        self.workers = WorkerGroup(self.program, self.output, self.guard, self._rank_env)
+        self.pool = None if self.config.no_warm_pool or self.config.no_python else WarmPool(
+            self.config.preload_modules(), lambda _slot: pre_import_env(self.local_world_size),
+            self.guard, rank_preexec_fn())
         self.poller = zmq.Poller()
         self.poller.register(self.control.socket, zmq.POLLIN)
+        self.poller.register(self.hub.socket, zmq.POLLIN)
         self.poller.register(self.signal_fd, zmq.POLLIN)
+        self._polled: set[int] = set()
 
     def _close(self) -> None:
         self._stop_ranks(self.config.stop_timeout)
+        if self.pool is not None:
+            self.pool.close()
+        if self.spare_store is not None:
+            self.spare_store.close()
+        self.hub.close()
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)
         signal.set_wakeup_fd(-1)

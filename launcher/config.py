@@ -17,12 +17,15 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from launcher import UsageError
+from launcher.warm_pool import DEFAULT_PRELOAD
 
 TORCHRUN = "torchrun-compatible options"
 RECOVERY = "fault tolerance"
 GENERAL = "ftlaunch"
 
-RESTART_POLICIES = ("cold",)
+RESTART_POLICIES = ("rank", "job", "cold")
+"""The recovery ladder, cheapest first; a recovery that makes no progress escalates one rung."""
+STACK_DUMPS = ("auto", "py-spy", "faulthandler", "off")
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2", "ftlaunch")
 START_METHODS = ("spawn", "fork", "forkserver")
 
@@ -76,8 +79,30 @@ class LaunchConfig:
     signals_to_handle: str = _opt("SIGTERM,SIGINT,SIGHUP,SIGQUIT", "Signals forwarded to ranks.")
 
     # --- ftlaunch's own ------------------------------------------------------------------
-    restart_policy: str = _opt("cold", "How to recover from a failed rank.", group=RECOVERY,
-                               choices=RESTART_POLICIES)
+    restart_policy: str = _opt("rank", "First rung of the recovery ladder: 'rank' replaces only "
+                               "failed ranks (survivors using trainer_shim re-enter in place), "
+                               "'job' replaces every rank from the warm pool, 'cold' starts "
+                               "fresh interpreters.", group=RECOVERY, choices=RESTART_POLICIES)
+    max_stalled_recoveries: int = _opt(3, "Recoveries in a row without a new step (reported by "
+                                       "trainer_shim.heartbeat) before the job stops with exit "
+                                       "code 3, do not requeue; 0 = never.", group=RECOVERY)
+    no_warm_pool: bool = _opt(False, "Do not keep idle interpreters with torch imported to "
+                              "replace failed ranks.", group=RECOVERY)
+    preload: str = _opt(DEFAULT_PRELOAD, "Modules the warm pool imports ahead of time.",
+                        group=RECOVERY)
+    hang_timeout: float = _opt(300.0, "Seconds without a trainer_shim heartbeat before a rank "
+                               "is declared hung; 0 = never.", group=RECOVERY)
+    hang_timeout_factor: float = _opt(0.0, "When > 0, learn the hang timeout: this factor times "
+                                      "the longest heartbeat interval seen (after 20 beats, at "
+                                      "least 1 s, at most --hang-timeout).", group=RECOVERY)
+    startup_timeout: float = _opt(600.0, "Seconds from a rank's start to its first heartbeat, "
+                                  "for ranks using trainer_shim; 0 = never.", group=RECOVERY)
+    section_timeouts: str = _opt("", "Per-section timeouts NAME=SECONDS,... for "
+                                 "trainer_shim.section(NAME); while one is open it replaces "
+                                 "--hang-timeout.", group=RECOVERY)
+    stack_dump: str = _opt("auto", "How a hung rank's stacks are captured before it is killed "
+                           "(auto: py-spy if installed, else faulthandler).", group=RECOVERY,
+                           choices=STACK_DUMPS)
     restart_backoff: float = _opt(1.0, "Seconds before the 2nd restart, doubling after; the "
                                   "1st restart is immediate.", group=RECOVERY)
     restart_backoff_max: float = _opt(30.0, "Longest wait between restarts, seconds.",
@@ -171,6 +196,24 @@ class LaunchConfig:
             result.append(sig)
         return result
 
+    def section_timeout_map(self) -> dict[str, float]:
+        """``--section-timeouts`` as {name: seconds}."""
+        result = {}
+        for item in (s.strip() for s in self.section_timeouts.split(",") if s.strip()):
+            name, sep, value = item.partition("=")
+            try:
+                seconds = float(value) if sep and name.strip() else -1.0
+            except ValueError:
+                seconds = -1.0
+            if seconds <= 0:
+                raise UsageError(f"--section-timeouts item {item!r} is not NAME=SECONDS with "
+                                 "SECONDS > 0; use e.g. step=60,checkpoint=900")
+            result[name.strip()] = seconds
+        return result
+
+    def preload_modules(self) -> list[str]:
+        return [m.strip() for m in self.preload.split(",") if m.strip()]
+
     def rdzv_settings(self) -> dict[str, str]:
         """``--rdzv-conf`` as a dict."""
         settings = {}
@@ -225,7 +268,8 @@ class LaunchConfig:
         self.rdzv_endpoint_parts()
         if self.module and self.no_python:
             raise UsageError("--module and --no-python cannot be used together; drop one")
-        for name in ("max_restarts", "node_rank", "master_port"):
+        self.section_timeout_map()
+        for name in ("max_restarts", "node_rank", "master_port", "max_stalled_recoveries"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
         if self.master_port > 65535:
@@ -234,7 +278,8 @@ class LaunchConfig:
             raise UsageError("--node-timeout must exceed --heartbeat-interval, which must be > 0")
         self.rdzv_timeouts()
         for name in ("restart_backoff", "restart_backoff_max", "grace_period", "stop_timeout",
-                     "exit_barrier_timeout", "monitor_interval"):
+                     "exit_barrier_timeout", "monitor_interval", "hang_timeout",
+                     "hang_timeout_factor", "startup_timeout"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 0 seconds")
         for f in dataclasses.fields(self):

@@ -40,8 +40,11 @@ class JobState:
     last_call: float
     join_timeout: float
     host_node: str  # the agent running this coordinator: alive by definition
+    max_stalled: int = 0
     epoch: int = 0
     restart_count: int = 0
+    progress: recovery.Progress = field(default_factory=recovery.Progress)
+    current_policy: str = ""  # the rung of the last recovery
     phase: str = "joining"  # joining -> waiting_store -> running -> (joining | done)
     members: dict[str, membership.Member] = field(default_factory=dict)
     standby_ports: dict[str, int] = field(default_factory=dict)
@@ -106,6 +109,8 @@ class Coordinator:
         while not self._stopping.is_set():
             if poller.poll(TICK_SECONDS * 1000):
                 self._drain()
+                if self._state.phase == "joining" and self._state.final is None:
+                    self._maybe_complete_round(time.monotonic())  # not a tick later
             if time.monotonic() >= next_tick:  # liveness scans are O(N): not once a message
                 next_tick = time.monotonic() + TICK_SECONDS
                 try:
@@ -150,7 +155,8 @@ class Coordinator:
                 s.identities[node] = identity
                 self._send(identity, "heartbeat_ack")
             else:  # declared lost but alive (it froze, or the network healed): come back in
-                self._send(identity, "recover", policy=s.policy, restart_count=s.restart_count,
+                self._send(identity, "recover", policy=s.current_policy or s.policy,
+                           restart_count=s.restart_count,
                            delay=0.0, cause=f"node {node} was dropped from the job; re-joining")
             return
         if msg.type == "join":
@@ -166,6 +172,7 @@ class Coordinator:
             self._broadcast_round("start", master_addr=msg["master_addr"],
                                   master_port=msg["master_port"], restart_count=s.restart_count)
         elif msg.type == "failure" and s.phase == "running":
+            s.progress = s.progress.after_failure(msg["step"])
             self._recover_from(f"rank {msg['rank']} (node {node}) {msg['cause']}", now)
         elif msg.type == "finished" and s.phase == "running":
             s.finished.add(node)
@@ -202,10 +209,13 @@ class Coordinator:
     def _recover_from(self, cause: str, now: float) -> None:
         s = self._state
         decision = recovery.decide(s.restart_count, s.max_restarts, s.policy, cause,
-                                   s.backoff, s.backoff_max)
+                                   s.backoff, s.backoff_max, s.progress, s.max_stalled)
         if decision.action == "fail":
             self._finish(exit_codes.JOB_FAILED, decision.reason)
+        elif decision.action == "stalled":
+            self._finish(exit_codes.DO_NOT_REQUEUE, decision.reason)
         else:
+            s.current_policy = decision.policy
             self._start_new_round(cause, decision.restart_count, decision.delay, now)
 
     def _start_new_round(self, cause: str, restart_count: int, delay: float, now: float) -> None:
@@ -213,7 +223,8 @@ class Coordinator:
         s.restart_count = restart_count
         s.expected = set(s.group_ranks)
         s.expected_count = max(s.expected_count, len(s.expected))
-        self._broadcast_round("recover", policy=s.policy, restart_count=restart_count,
+        self._broadcast_round("recover", policy=s.current_policy or s.policy,
+                              restart_count=restart_count,
                               delay=delay, cause=cause)
         s.phase = "joining"
         s.round_joined.clear()
@@ -258,20 +269,24 @@ class Coordinator:
         alive = {n: t for n, t in s.last_seen.items() if n != s.host_node}
         for node in membership.silent_members(alive, now, s.node_timeout):
             self._lose(node, now)
-        if s.final is None and s.phase == "joining":
-            if membership.round_complete(s.round_joined, s.expected, s.min_nodes,
-                                         s.max_nodes, s.min_reached_at, now, s.last_call,
-                                         s.expected_count):
-                self._complete_round()
-            elif now - s.joining_since > s.join_timeout:
-                self._finish(exit_codes.JOB_FAILED,
-                             f"rendezvous timed out: {len(s.round_joined)} of at least "
-                             f"{s.min_nodes} nodes joined within {s.join_timeout:g}s; start the "
-                             "missing nodes or raise --rdzv-conf join_timeout")
+        if (s.final is None and s.phase == "joining" and not self._maybe_complete_round(now)
+                and now - s.joining_since > s.join_timeout):
+            self._finish(exit_codes.JOB_FAILED,
+                         f"rendezvous timed out: {len(s.round_joined)} of at least "
+                         f"{s.min_nodes} nodes joined within {s.join_timeout:g}s; start the "
+                         "missing nodes or raise --rdzv-conf join_timeout")
         if (s.phase == "running" and s.first_finished_at is not None
                 and now - s.first_finished_at > s.exit_barrier_timeout):
             missing = sorted(set(s.group_ranks) - s.finished)
             self._finish(exit_codes.JOB_FAILED, f"exit barrier timed out waiting for {missing}")
+
+    def _maybe_complete_round(self, now: float) -> bool:
+        s = self._state
+        if membership.round_complete(s.round_joined, s.expected, s.min_nodes, s.max_nodes,
+                                     s.min_reached_at, now, s.last_call, s.expected_count):
+            self._complete_round()
+            return True
+        return False
 
     def _lose(self, node: str, now: float) -> None:
         s = self._state

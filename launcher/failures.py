@@ -34,10 +34,14 @@ class RankFailure:
 
 
 def from_returncode(rank: int, local_rank: int, pid: int, returncode: int,
-                    error_file: str) -> RankFailure:
-    """A failure from ``Popen.returncode`` (negative = signal) plus the rank's error file."""
+                    error_file: str, agent_cause: str | None = None) -> RankFailure:
+    """A failure from ``Popen.returncode`` (negative = signal) plus the rank's error file.
+
+    ``agent_cause`` is why the agent killed the rank (a hang), which the exit cannot tell."""
     exit_code, sig = (returncode, "") if returncode >= 0 else (None, _signal_name(-returncode))
     message, trace, when = _read_error_file(error_file)
+    if agent_cause:
+        message = agent_cause
     return RankFailure(rank, local_rank, pid, exit_code, sig, error_file,
                        when or time.time(), message, trace)
 

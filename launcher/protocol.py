@@ -40,7 +40,7 @@ SCHEMA: dict[str, dict[str, Any]] = {
     "heartbeat": {"node_id": _STR},
     "store_ready": {"master_addr": _STR, "master_port": _INT},
     "failure": {"node_id": _STR, "rank": _INT, "local_rank": _INT, "exit_code": _OPT_INT,
-                "signal": _STR, "cause": _STR},
+                "signal": _STR, "cause": _STR, "step": _INT},
     "finished": {"node_id": _STR},
     "leave": {"node_id": _STR, "exit_code": _INT, "reason": _STR},
     # coordinator -> agent
@@ -53,6 +53,50 @@ SCHEMA: dict[str, dict[str, Any]] = {
     "stop": {"exit_code": _INT, "reason": _STR},
 }
 """Fields of each message type beyond the envelope (v, type, epoch, sid, seq)."""
+
+
+def _bool(value: Any) -> bool:
+    return type(value) is bool
+
+
+def _env(value: Any) -> bool:
+    return isinstance(value, dict) and len(value) <= 10_000 and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+LOCAL_SCHEMA: dict[str, dict[str, Any]] = {
+    # rank (trainer_shim) -> agent, over the node-local ipc:// socket
+    "hello": {"pid": _INT, "stacks": _bool},  # from the shim's command socket
+    "restartable": {"pid": _INT},  # the rank runs inside trainer_shim.restartable
+    "beat": {"pid": _INT, "step": _INT},
+    "section": {"pid": _INT, "name": _STR, "open": _bool},
+    "parked": {"pid": _INT, "error": _STR},
+    # agent -> rank
+    "abort": {},
+    "resume": {"env": _env},
+}
+"""Messages between the agent and its own ranks. The ipc:// socket lives in a 0700 directory,
+so the file system is the authentication; they are schema-checked msgpack all the same."""
+
+
+def pack_local(kind: str, **fields: Any) -> bytes:
+    _check_fields(kind, fields, LOCAL_SCHEMA)
+    return msgpack.packb({"type": kind, **fields})
+
+
+def unpack_local(data: bytes) -> Message:
+    """Decode a node-local message; anything malformed raises ProtocolError."""
+    if len(data) > MAX_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_BYTES}")
+    try:
+        fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise ProtocolError(f"undecodable body: {type(e).__name__}") from None
+    if not isinstance(fields, dict):
+        raise ProtocolError("body is not a map")
+    kind = fields.pop("type", None)
+    _check_fields(kind, fields, LOCAL_SCHEMA)
+    return Message(kind, 0, fields)
 
 
 class ProtocolError(ValueError):
@@ -116,8 +160,9 @@ class Codec:
         return Message(kind, epoch, data)
 
 
-def _check_fields(kind: Any, fields: dict[str, Any]) -> None:
-    schema = SCHEMA.get(kind) if isinstance(kind, str) else None
+def _check_fields(kind: Any, fields: dict[str, Any],
+                  schemas: dict[str, dict[str, Any]] = SCHEMA) -> None:
+    schema = schemas.get(kind) if isinstance(kind, str) else None
     if schema is None:
         raise ProtocolError(f"unknown message type {kind!r}")
     if set(fields) != set(schema):

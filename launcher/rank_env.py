@@ -52,7 +52,14 @@ def rank_env(attempt: Attempt, local_rank: int, error_file: str,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "FTLAUNCH_RUN_ID": attempt.run_id,  # tells trainer_shim it is managed
     })
-    if attempt.local_world_size > 1:
+    env.update(pre_import_env(attempt.local_world_size, env))
+    return env
+
+
+def pre_import_env(local_world_size: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The agent's environment plus what a rank's imports already read (the warm pool's)."""
+    env = dict(os.environ if base is None else base)
+    if local_world_size > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: ranks must not oversubscribe cores
     return env
 

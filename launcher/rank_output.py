@@ -24,6 +24,10 @@ class Pump:
         self._prefix, self._console, self._file = prefix, console, file
         self._partial = b""
 
+    def relabel(self, rank: int) -> None:
+        """The process now runs as ``rank`` (resumed in place with a new rank)."""
+        self._prefix = rank_prefix(rank)
+
     def pump(self) -> bool:
         """Move what is readable now; False once the rank closed the stream."""
         try:
@@ -68,7 +72,7 @@ class RankStreams:
         self.pumps: list[Pump] = []
         self.popen_kwargs: dict[str, object] = {}
         self._child_ends: list[object] = []  # the agent's copies, closed once the child has them
-        prefix = Text(f"[rank{rank}]: ", style=_STYLES[rank % len(_STYLES)])
+        prefix = rank_prefix(rank)
         for name, console, mode in (("stdout", _OUT, modes[0]), ("stderr", _ERR, modes[1])):
             file = _open_log(log_dir, name) if mode.file and log_dir else None
             show = show_rank and mode.console
@@ -82,6 +86,11 @@ class RankStreams:
             self.popen_kwargs[name] = target
             self._child_ends.append(target)
 
+    def child_fds(self) -> tuple[int, int]:
+        """The (stdout, stderr) descriptors the rank writes to."""
+        return tuple(t if isinstance(t, int) else t.fileno()  # type: ignore[return-value]
+                     for t in (self.popen_kwargs["stdout"], self.popen_kwargs["stderr"]))
+
     def after_spawn(self) -> None:
         """Close the agent's copies of what the child now holds."""
         for end in self._child_ends:
@@ -89,6 +98,10 @@ class RankStreams:
                 os.close(end)
             else:
                 end.close()
+
+
+def rank_prefix(rank: int) -> Text:
+    return Text(f"[rank{rank}]: ", style=_STYLES[rank % len(_STYLES)])
 
 
 def _open_log(log_dir: Path, name: str) -> IO[bytes]:

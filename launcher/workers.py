@@ -22,8 +22,9 @@ from pathlib import Path
 from launcher import failures
 from launcher.config import StreamMode
 from launcher.orphan_guard import OrphanGuard
-from launcher.rank_env import Attempt, rank_env
+from launcher.rank_env import Attempt, rank_command, rank_env
 from launcher.rank_output import Pump, RankStreams
+from launcher.warm_pool import PoolProcess
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -41,6 +42,11 @@ def _die_with(agent_pid: int) -> None:
         os._exit(1)
 
 
+def rank_preexec_fn() -> Callable[[], None]:
+    """A ``preexec_fn`` for rank processes (and warm ones): own group, die with this agent."""
+    return functools.partial(_become_rank, os.getpid())
+
+
 def die_with_agent(agent_pid: int) -> Callable[[], None]:
     """A ``preexec_fn`` for helper processes of the agent: killed when the agent dies."""
     return functools.partial(_die_with, agent_pid)
@@ -53,11 +59,27 @@ class Rank:
     proc: subprocess.Popen
     pidfd: int
     error_file: str
+    pumps: list[Pump] = field(default_factory=list)
+    cause: str | None = None  # set when the agent kills it (a hang), else read from the exit
     returncode: int | None = None
 
 
 @dataclass(frozen=True)
+class Program:
+    """What every rank runs: ``python -u SCRIPT ARGS`` (or ``-m``, or an executable)."""
+
+    script: str
+    args: list[str]
+    module: bool = False
+    no_python: bool = False
+
+    def command(self) -> list[str]:
+        return rank_command(self.script, self.args, module=self.module, no_python=self.no_python)
+
+
+@dataclass(frozen=True)
 class RankExit:
+    pid: int
     rank: int
     local_rank: int
     returncode: int
@@ -74,37 +96,59 @@ class OutputPlan:
 
 
 class WorkerGroup:
-    """This node's ranks for one attempt."""
+    """This node's rank processes, across attempts (a rank resumed in place carries over)."""
 
-    def __init__(self, attempt: Attempt, command: list[str], output: OutputPlan,
-                 guard: OrphanGuard):
-        self.attempt = attempt
-        self._command = command
+    def __init__(self, program: Program, output: OutputPlan, guard: OrphanGuard,
+                 extra_env: Callable[[Path], dict[str, str]]):
+        self._program = program
         self._output = output
         self._guard = guard
+        self._extra_env = extra_env  # rank dir -> the agent's own variables for that rank
         self.ranks: dict[int, Rank] = {}  # by pidfd
         self._pumps: dict[int, Pump] = {}  # by fd
-        self.attempt_dir = output.log_dir / f"attempt_{attempt.restart_count}"
 
     # --- lifecycle -----------------------------------------------------------------------
 
-    def start(self) -> None:
-        for local_rank in range(self.attempt.local_world_size):
-            rank = self.attempt.rank_offset + local_rank
-            rank_dir = self.attempt_dir / str(local_rank)
-            rank_dir.mkdir(parents=True, exist_ok=True)
-            error_file = str(rank_dir / "error.json")
-            streams = RankStreams(rank, rank_dir, self._output.modes[local_rank],
-                                  local_rank in self._output.console)
+    def env(self, attempt: Attempt, local_rank: int) -> tuple[dict[str, str], Path]:
+        rank_dir = self._output.log_dir / f"attempt_{attempt.restart_count}" / str(local_rank)
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        env = rank_env(attempt, local_rank, str(rank_dir / "error.json"))
+        env.update(self._extra_env(rank_dir))
+        return env, rank_dir
+
+    def spawn(self, attempt: Attempt, local_rank: int, pool_process: PoolProcess | None) -> Rank:
+        """Start ``local_rank``: a fresh interpreter, or the warm ``pool_process`` told to become it."""
+        rank = attempt.rank_offset + local_rank
+        env, rank_dir = self.env(attempt, local_rank)
+        streams = RankStreams(rank, rank_dir, self._output.modes[local_rank],
+                              local_rank in self._output.console)
+        if pool_process is None:
             proc = subprocess.Popen(
-                self._command, env=rank_env(self.attempt, local_rank, error_file),
-                stdin=subprocess.DEVNULL, close_fds=True,
-                preexec_fn=functools.partial(_become_rank, os.getpid()), **streams.popen_kwargs)
-            streams.after_spawn()
+                self._program.command(), env=env, stdin=subprocess.DEVNULL, close_fds=True,
+                preexec_fn=rank_preexec_fn(), **streams.popen_kwargs)
             self._guard.watch(proc.pid)
-            pidfd = os.pidfd_open(proc.pid)
-            self.ranks[pidfd] = Rank(local_rank, rank, proc, pidfd, error_file)
-            self._pumps.update((p.fd, p) for p in streams.pumps)
+        else:
+            proc = pool_process.proc
+            pool_process.become([self._program.script, *self._program.args], env, os.getcwd(),
+                                self._program.module, *streams.child_fds())
+        streams.after_spawn()
+        pidfd = os.pidfd_open(proc.pid)
+        self.ranks[pidfd] = Rank(local_rank, rank, proc, pidfd, env["TORCHELASTIC_ERROR_FILE"],
+                                 streams.pumps)
+        self._pumps.update((p.fd, p) for p in streams.pumps)
+        return self.ranks[pidfd]
+
+    def resume(self, kept: Rank, attempt: Attempt) -> dict[str, str]:
+        """A parked rank re-enters in place: its new identity; returns its new environment."""
+        env, _ = self.env(attempt, kept.local_rank)
+        kept.rank = attempt.rank_offset + kept.local_rank
+        kept.error_file = env["TORCHELASTIC_ERROR_FILE"]
+        for pump in kept.pumps:
+            pump.relabel(kept.rank)
+        return env
+
+    def by_pid(self, pid: int) -> Rank | None:
+        return next((r for r in self.ranks.values() if r.proc.pid == pid), None)
 
     def fds(self) -> list[int]:
         """Everything the agent should poll for this group: exits and output."""
@@ -125,25 +169,30 @@ class WorkerGroup:
             return None
         return self._reap(rank)
 
-    def send_signal(self, sig: int) -> None:
-        """Send ``sig`` to every live rank's whole process group."""
-        for rank in self.alive():
-            _killpg(rank.proc.pid, sig)
+    def send_signal(self, sig: int, ranks: list[Rank] | None = None) -> None:
+        """Send ``sig`` to each live rank's whole process group (default: every rank)."""
+        for rank in self.alive() if ranks is None else ranks:
+            if rank.returncode is None:
+                _killpg(rank.proc.pid, sig)
 
-    def stop(self, timeout: float, tick: Callable[[], None] = lambda: None) -> None:
-        """SIGTERM every rank, SIGKILL what is left after ``timeout``, reap all, drain output.
+    def stop(self, timeout: float, tick: Callable[[], None] = lambda: None,
+             ranks: list[Rank] | None = None) -> list[RankExit]:
+        """SIGTERM the ranks (default: all), SIGKILL what is left after ``timeout``, reap them.
 
         ``tick`` runs at least every 0.2 s meanwhile (the agent keeps heartbeating)."""
-        self.send_signal(signal.SIGTERM)
+        targets = self.alive() if ranks is None else ranks
+        exits: list[RankExit] = []
+        self.send_signal(signal.SIGTERM, targets)
         deadline = time.monotonic() + timeout
-        while self.alive() and time.monotonic() < deadline:
-            self.wait(min(0.2, deadline - time.monotonic()))
+        while any(r.returncode is None for r in targets) and time.monotonic() < deadline:
+            exits += self.wait(min(0.2, deadline - time.monotonic()))
             tick()
-        self.send_signal(signal.SIGKILL)
-        while self.alive():
-            self.wait(0.2)
+        self.send_signal(signal.SIGKILL, targets)
+        while any(r.returncode is None for r in targets):
+            exits += self.wait(0.2)
             tick()
-        self.close()
+        self.release([r for r in self.ranks.values() if r.returncode is not None])
+        return exits
 
     def wait(self, timeout: float) -> list[RankExit]:
         """Block until something is readable (or ``timeout``) and service it."""
@@ -151,21 +200,21 @@ class WorkerGroup:
         exits = [self.on_readable(fd) for fd in readable]
         return [e for e in exits if e is not None]
 
-    def close(self) -> None:
-        """Drain and release output pipes and pidfds (ranks must already be reaped)."""
+    def release(self, ranks: list[Rank]) -> None:
+        """Forget reaped ranks: drain and close their output pipes and their pidfds."""
+        pumps = {p.fd: p for r in ranks for p in r.pumps if p.fd in self._pumps}
         deadline = time.monotonic() + 2.0  # bounded: an escaped grandchild may hold a pipe
-        while self._pumps and time.monotonic() < deadline:
-            readable, _, _ = select.select(list(self._pumps), [], [], deadline - time.monotonic())
+        while pumps and time.monotonic() < deadline:
+            readable, _, _ = select.select(list(pumps), [], [], deadline - time.monotonic())
             for fd in readable:
-                if not self._pumps[fd].pump():
-                    del self._pumps[fd]
-        for fd in self._pumps:
+                if not pumps[fd].pump():
+                    del pumps[fd], self._pumps[fd]
+        for fd in pumps:
             os.close(fd)
-        self._pumps.clear()
-        for rank in self.ranks.values():
-            if rank.pidfd >= 0:
-                os.close(rank.pidfd)
-                rank.pidfd = -1
+            del self._pumps[fd]
+        for rank in ranks:
+            self.ranks.pop(rank.pidfd, None)
+            os.close(rank.pidfd)
 
     def _reap(self, rank: Rank) -> RankExit:
         rank.returncode = rank.proc.wait()
@@ -174,8 +223,8 @@ class WorkerGroup:
         failure = None
         if rank.returncode != 0:
             failure = failures.from_returncode(rank.rank, rank.local_rank, rank.proc.pid,
-                                               rank.returncode, rank.error_file)
-        return RankExit(rank.rank, rank.local_rank, rank.returncode, failure)
+                                               rank.returncode, rank.error_file, rank.cause)
+        return RankExit(rank.proc.pid, rank.rank, rank.local_rank, rank.returncode, failure)
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -16,11 +16,13 @@ or fail in connectFullMesh on stale keys in the shared rendezvous TCPStore
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -95,6 +97,12 @@ def maybe_inject_fault(rank, step):
         os.kill(os.getpid(), signal.SIGSEGV)
     elif kind == "exit":
         sys.exit(3)
+    elif kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "hang":
+        threading.Event().wait()  # sleeps forever, GIL released
+    elif kind == "spin":
+        sum(itertools.repeat(1, 10**15))  # one C call: never gives the GIL back
     raise RuntimeError(f"injected fault at step {step}")
 
 
@@ -127,6 +135,16 @@ def weights_sha256(model):
 
 @record
 def main():
+    args = parse_args()
+    if args.shim:  # fast recovery: re-entered in place, heartbeats for hang detection
+        import trainer_shim
+
+        trainer_shim.restartable(train)(args, trainer_shim.heartbeat)
+    else:
+        train(None, args, lambda step: None)
+
+
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=8)
@@ -137,7 +155,12 @@ def main():
     p.add_argument("--step-time", type=float, default=0.0, help="extra sleep per step (s)")
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--out", default=None, help="rank 0 writes a JSON summary here")
-    args = p.parse_args()
+    p.add_argument("--shim", action="store_true", help="use trainer_shim (restartable, heartbeat)")
+    return p.parse_args()
+
+
+def train(ctx, args, heartbeat):
+    """One entry into training: resume from the checkpoint, run to --steps."""
 
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
@@ -175,6 +198,7 @@ def main():
         loss_val = loss.item()
         if step % args.log_every == 0:
             log(f"step {step} loss {loss_val:.4f} rank {rank}")
+        heartbeat(step)
         if ckpt_path and step % args.ckpt_every == 0:
             if rank == 0:
                 state = {

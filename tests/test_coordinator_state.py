@@ -57,10 +57,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def store_ready(self):
         self._deliver("n0", "store_ready", master_addr="10.0.0.1", master_port=29500)
 
-    @rule(node=st.sampled_from(NODES), stale=st.booleans())
-    def failure(self, node, stale):
+    @rule(node=st.sampled_from(NODES), stale=st.booleans(), step=st.integers(-1, 3))
+    def failure(self, node, stale, step):
         self._deliver(node, "failure", epoch=self.state.epoch - stale, node_id=node, rank=0,
-                      local_rank=0, exit_code=1, signal="", cause="boom")
+                      local_rank=0, exit_code=1, signal="", cause="boom", step=step)
 
     @rule(node=st.sampled_from(NODES))
     def finished(self, node):

@@ -1,12 +1,141 @@
 """trainer_shim: what a training script imports to unlock ftlaunch's fast recovery paths.
 
+    import trainer_shim as ft
+
+    @ft.restartable                      # re-entered in place when the job recovers
+    def train(ctx: ft.RestartContext):
+        ...                              # build, load the latest checkpoint, train
+        for step in range(start, total):
+            with ft.section("step"):     # a section may have its own timeout
+                ...
+            ft.heartbeat(step)           # one-way, throttled: < 1% at 10 ms steps
+
 Every call is a cheap no-op when the script runs without an ftlaunch agent (plain python,
-or under torchrun), so one script runs everywhere. The API grows with issue #4.
+or under torchrun), so one script runs everywhere.
 """
 
+from __future__ import annotations
+
+import contextlib
+import functools
 import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+__all__ = ["RestartContext", "RestartRequested", "heartbeat", "is_managed", "restartable",
+           "section"]
+
+T = TypeVar("T")
+MIN_BEAT_INTERVAL = 0.05
+"""Heartbeats closer together than this are not sent: the agent's clock needs no finer grain."""
 
 
 def is_managed() -> bool:
     """True when this process is a rank started by an ftlaunch agent."""
     return "FTLAUNCH_RUN_ID" in os.environ
+
+
+def _connect():
+    from launcher.rank_hub import HUB_ENV
+
+    if not is_managed() or HUB_ENV not in os.environ:
+        return None
+    from trainer_shim.agent_link import AgentLink
+
+    return AgentLink(os.environ[HUB_ENV])
+
+
+_link = _connect()
+_last_beat = 0.0
+
+if _link is not None:
+    from trainer_shim.agent_link import RestartRequested
+else:
+    class RestartRequested(BaseException):  # noqa: N818 - same name as the managed one
+        """Never raised without an agent."""
+
+
+def heartbeat(step: int | None = None) -> None:
+    """Tell the agent this rank is alive (and at ``step``, which measures progress)."""
+    global _last_beat
+    if _link is None:
+        return
+    now = time.monotonic()
+    if now - _last_beat >= MIN_BEAT_INTERVAL:
+        _last_beat = now
+        _link.send("beat", step=-1 if step is None else int(step))
+
+
+@contextlib.contextmanager
+def section(name: str) -> Iterator[None]:
+    """Mark a phase; ``--section-timeouts NAME=SECONDS`` bounds it instead of the heartbeat."""
+    if _link is None:
+        yield
+        return
+    _link.send("section", name=name, open=True)
+    try:
+        yield
+    finally:
+        _link.send("section", name=name, open=False)
+
+
+@dataclass(frozen=True)
+class RestartContext:
+    """Where this entry into the training function stands."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    attempt: int  # TORCHELASTIC_RESTART_COUNT: 0 first, then one more per recovery
+    resume_step: int | None  # newest step every rank holds, when the agent knows it
+
+    @classmethod
+    def from_env(cls) -> RestartContext:
+        env = os.environ
+        resume = env.get("FTLAUNCH_RESUME_STEP")
+        return cls(int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0")),
+                   int(env.get("WORLD_SIZE", "1")), int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                   int(resume) if resume else None)
+
+
+def restartable(fn: Callable[..., T]) -> Callable[..., T]:
+    """Run ``fn(ctx, ...)``; when the job recovers, leave it and re-enter in this process.
+
+    On a recovery (the agent's "abort", or a collective failing because a peer died) the
+    shim releases torch.distributed's process group, tells the agent it is parked, and
+    re-enters ``fn`` with the next attempt's environment (a fresh store, maybe a new rank).
+    Imports, caches and the interpreter survive. Without an agent it is a plain call.
+    """
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs) -> T:
+        if _link is None:
+            return fn(RestartContext.from_env(), *args, **kwargs)
+        _link.hello_restartable()
+        while True:
+            _link.in_training = True
+            try:
+                return fn(RestartContext.from_env(), *args, **kwargs)
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as e:  # RestartRequested, or this rank's own failure
+                error = "" if isinstance(e, RestartRequested) else traceback.format_exc()
+            finally:
+                _link.in_training = False
+            _release_process_group()
+            _link.send("parked", error=error[-4000:])
+            os.environ.update(_link.wait_resume())
+
+    return run
+
+
+def _release_process_group() -> None:
+    """Drop torch.distributed's state so the next entry can init_process_group again."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()

@@ -1,0 +1,79 @@
+"""Is a rank hung? A pure function of what the rank last said and when, and the timeouts.
+
+The agent feeds it from the ranks' trainer_shim messages and acts on its answer; the hung
+rank's cooperation is never needed (a SIGSTOPped rank or one spinning with the GIL held
+simply stops talking).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LEARN_AFTER_BEATS = 20
+LEARNED_FLOOR = 1.0
+
+
+@dataclass(frozen=True)
+class HangTimeouts:
+    heartbeat: float  # 0 = never
+    startup: float  # 0 = never
+    sections: dict[str, float] = field(default_factory=dict)
+    factor: float = 0.0  # > 0: learn the heartbeat timeout from observed intervals
+
+
+@dataclass
+class RankActivity:
+    """What one rank (one process) has told the agent since it started or resumed."""
+
+    started_at: float
+    last_seen: float | None = None  # any message
+    last_beat: float | None = None
+    beats: int = 0
+    longest_interval: float = 0.0
+    step: int = -1
+    open_sections: dict[str, float] = field(default_factory=dict)
+
+    def beat(self, now: float, step: int) -> None:
+        if self.last_beat is not None:
+            self.longest_interval = max(self.longest_interval, now - self.last_beat)
+        self.beats += 1
+        self.last_beat = self.last_seen = now
+        self.step = max(self.step, step)
+
+    def section(self, now: float, name: str, is_open: bool) -> None:
+        self.last_seen = now
+        if is_open:
+            self.open_sections[name] = now
+        else:
+            self.open_sections.pop(name, None)
+
+
+def heartbeat_timeout(activity: RankActivity, timeouts: HangTimeouts) -> float:
+    """The configured timeout, or the learned one once enough beats were seen."""
+    if timeouts.factor <= 0 or activity.beats < LEARN_AFTER_BEATS:
+        return timeouts.heartbeat
+    learned = max(LEARNED_FLOOR, timeouts.factor * activity.longest_interval)
+    return min(learned, timeouts.heartbeat) if timeouts.heartbeat > 0 else learned
+
+
+def hang_reason(activity: RankActivity, timeouts: HangTimeouts, now: float) -> str | None:
+    """Why this rank counts as hung at ``now``, or None while it is fine.
+
+    An open section with its own timeout replaces the heartbeat timeout (a long checkpoint
+    is not a hang); before the first message only the startup timeout applies.
+    """
+    timed = {n: t for n, t in activity.open_sections.items() if n in timeouts.sections}
+    if timed:
+        for name, opened in timed.items():
+            if now - opened > timeouts.sections[name]:
+                return (f"section {name!r} open for {now - opened:.1f}s "
+                        f"(timeout {timeouts.sections[name]:g}s)")
+        return None
+    if activity.last_seen is None:
+        if timeouts.startup > 0 and now - activity.started_at > timeouts.startup:
+            return f"no heartbeat within the startup timeout ({timeouts.startup:g}s)"
+        return None
+    limit = heartbeat_timeout(activity, timeouts)
+    if limit > 0 and now - activity.last_seen > limit:
+        return f"no heartbeat for {now - activity.last_seen:.1f}s (timeout {limit:g}s)"
+    return None

@@ -1,0 +1,115 @@
+"""The agent's node-local hub: what its ranks tell it through trainer_shim, and its commands.
+
+One ROUTER socket on ``ipc://<private 0700 dir>/hub``. Ranks send hello, heartbeats, section
+boundaries and "parked" (left the training function, waiting to resume); the agent sends
+"abort" (leave the training function) and "resume" (re-enter with this environment).
+Heartbeats are one-way: a rank never waits on the agent to train.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from launcher.hang_detection import HangTimeouts, RankActivity, hang_reason
+from launcher.protocol import ProtocolError, pack_local, unpack_local
+
+log = logging.getLogger("ftlaunch.hub")
+
+HUB_ENV = "FTLAUNCH_HUB"
+
+
+@dataclass
+class RankLink:
+    """One rank process as the hub knows it."""
+
+    activity: RankActivity
+    identity: bytes | None = None  # the shim's command socket
+    restartable: bool = False
+    stacks: bool = False  # registered the stack-dump signal
+    parked: bool = False
+    error: str = ""
+    pending: list[bytes] = field(default_factory=list)  # commands before its hello
+
+
+class RankHub:
+    def __init__(self, context: zmq.Context):
+        self._dir = Path(tempfile.mkdtemp(prefix="ftlaunch-hub-"))  # mode 0700
+        self.endpoint = f"ipc://{self._dir}/hub"
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
+        self.socket.bind(self.endpoint)
+        self.links: dict[int, RankLink] = {}  # by pid
+        self.best_step = -1  # the highest step any rank reported since reset_steps()
+
+    def track(self, pid: int, now: float) -> None:
+        """A rank process started (or resumed): watch it from now on."""
+        link = self.links.setdefault(pid, RankLink(RankActivity(now)))
+        link.activity = RankActivity(now)
+        link.parked = False
+
+    def forget(self, pid: int) -> None:
+        self.links.pop(pid, None)
+
+    def receive(self, now: float) -> list[int]:
+        """Handle every queued message; returns the pids that just parked."""
+        parked = []
+        while True:
+            try:
+                identity, data = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return parked
+            except ValueError:
+                continue  # not two frames: not from a shim
+            try:
+                msg = unpack_local(data)
+            except ProtocolError as e:
+                log.warning("dropped rank message: %s", e)
+                continue
+            link = self.links.get(msg["pid"])
+            if link is None:
+                continue  # not one of ours (or already gone)
+            if msg.type == "hello":
+                link.identity, link.stacks = identity, link.stacks or msg["stacks"]
+                for command in link.pending:
+                    self.socket.send_multipart([identity, command])
+                link.pending.clear()
+            elif msg.type == "restartable":
+                link.restartable = True
+            elif msg.type == "beat":
+                link.activity.beat(now, msg["step"])
+                self.best_step = max(self.best_step, msg["step"])
+            elif msg.type == "section":
+                link.activity.section(now, msg["name"], msg["open"])
+            elif msg.type == "parked":
+                link.parked, link.error = True, msg["error"]
+                parked.append(msg["pid"])
+
+    def send(self, pid: int, kind: str, **fields) -> None:
+        link = self.links.get(pid)
+        if link is None:
+            return
+        data = pack_local(kind, **fields)
+        if link.identity is None:
+            link.pending.append(data)
+        else:
+            self.socket.send_multipart([link.identity, data])
+
+    def hung(self, now: float, timeouts: HangTimeouts) -> list[tuple[int, str]]:
+        """(pid, reason) of every hung rank that uses the shim and is not parked."""
+        return [(pid, reason) for pid, link in self.links.items()
+                if link.identity is not None and not link.parked
+                and (reason := hang_reason(link.activity, timeouts, now)) is not None]
+
+    def reset_steps(self) -> None:
+        self.best_step = -1
+
+    def close(self) -> None:
+        self.socket.close()
+        shutil.rmtree(self._dir, ignore_errors=True)

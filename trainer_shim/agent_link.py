@@ -1,0 +1,86 @@
+"""The rank's end of the agent's node-local hub (see launcher/rank_hub.py).
+
+Two ZeroMQ sockets, because a socket belongs to one thread: the training thread sends
+heartbeats and section boundaries on its own (non-blocking, dropped if the agent is slow,
+never waited on), and a daemon thread listens for the agent's commands: "abort" raises
+``RestartRequested`` in the training thread, "resume" hands it the next attempt's env.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import queue
+import threading
+
+import zmq
+
+from launcher.pool_process import STACK_SIGNAL_ENV, STACKS_FILE_ENV
+from launcher.protocol import pack_local, unpack_local
+from launcher.rank_hub import HUB_ENV
+
+
+class RestartRequested(BaseException):  # noqa: N818 - reads as what happened
+    """Raised in the training thread when the agent recovers the job: leave, then re-enter.
+
+    A BaseException, so a script's ``except Exception`` does not swallow it."""
+
+
+class AgentLink:
+    def __init__(self, endpoint: str):
+        self.pid = os.getpid()
+        self._context = zmq.Context(io_threads=1)
+        self._beats = self._connect()
+        self._resume: queue.Queue[dict[str, str]] = queue.Queue()
+        self._training_thread = threading.main_thread().ident
+        self.in_training = False
+        self.restartable = False
+        self.stacks = _register_stack_dump()
+        self._commands = self._connect()
+        self._commands.send(pack_local("hello", pid=self.pid, stacks=self.stacks))
+        threading.Thread(target=self._listen, name="ftlaunch-shim", daemon=True).start()
+
+    def _connect(self) -> zmq.Socket:
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 200)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.connect(os.environ[HUB_ENV])
+        return sock
+
+    def send(self, kind: str, **fields) -> None:
+        """Fire and forget, from the training thread."""
+        try:  # noqa: SIM105 - the hot path: no context manager object per call
+            self._beats.send(pack_local(kind, pid=self.pid, **fields), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the agent is behind: a heartbeat is worthless late anyway
+
+    def hello_restartable(self) -> None:
+        self.restartable = True
+        self.send("restartable")
+
+    def wait_resume(self) -> dict[str, str]:
+        """Block until the agent says how to re-enter (it kills us if we are not needed)."""
+        return self._resume.get()
+
+    def _listen(self) -> None:
+        while True:
+            try:
+                msg = unpack_local(self._commands.recv())
+            except Exception:
+                continue
+            if msg.type == "resume":
+                self._resume.put(msg["env"])
+            elif msg.type == "abort" and self.in_training:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(self._training_thread), ctypes.py_object(RestartRequested))
+
+
+def _register_stack_dump() -> bool:
+    """faulthandler on the agent's signal: all threads' stacks, even with the GIL held."""
+    path, signum = os.environ.get(STACKS_FILE_ENV), os.environ.get(STACK_SIGNAL_ENV)
+    if not (path and signum):
+        return False
+    stacks = open(path, "a")  # noqa: SIM115 - must stay open for the signal handler
+    faulthandler.register(int(signum), file=stacks, all_threads=True)
+    return True
