@@ -106,6 +106,8 @@ class Agent:
                         self._on_rank_messages()
                     elif fd == self.signal_fd:
                         self._on_signals()
+                    elif self.pool is not None and fd in self.pool.fds():
+                        self._on_pool_ready(fd)
                     else:
                         exit_ = self.workers.on_readable(fd)
                         if exit_ is not None:
@@ -212,7 +214,7 @@ class Agent:
         parked, others = [], []
         for rank in self.workers.alive():
             link = self.hub.links.get(rank.proc.pid)
-            if link is not None and link.parked:
+            if link is not None and link.parked and self.policy == "rank":
                 parked.append(rank)
             elif link is not None and link.restartable and now < self.parking_until:
                 return  # still leaving its training function
@@ -281,6 +283,13 @@ class Agent:
         self._send("failure", node_id=self.node_id, rank=failure.rank,
                    local_rank=failure.local_rank, exit_code=failure.exit_code,
                    signal=failure.signal, cause=failure.cause, step=self.hub.best_step)
+
+    def _on_pool_ready(self, fd: int) -> None:
+        seconds = self.pool.on_readable(fd)
+        if seconds is not None:
+            self.events.emit("warm_pool_ready", f"warm pool ready: {self.local_world_size} "
+                             f"interpreters imported {self.config.preload} in {seconds:.2f}s",
+                             seconds=seconds)
 
     def _check_hangs(self, now: float) -> None:
         """Capture a hung rank's stacks, then kill it: its exit is then a failure like any."""
@@ -406,8 +415,8 @@ class Agent:
                 STACK_SIGNAL_ENV: str(int(stacks.STACK_SIGNAL))}
 
     def _sync_poller(self) -> None:
-        """Poll exactly the live ranks' pidfds and output pipes."""
-        wanted = set(self.workers.fds())
+        """Poll exactly the live ranks' pidfds and output pipes, and warming pool processes."""
+        wanted = set(self.workers.fds()) | set(self.pool.fds() if self.pool else ())
         for fd in self._polled - wanted:
             self.poller.unregister(fd)
         for fd in wanted - self._polled:

@@ -10,6 +10,7 @@ passed file descriptors. It then turns into that rank exactly as ``python -u SCR
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib
 import os
@@ -71,6 +72,8 @@ def register_stack_dump() -> None:
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     preload(sys.argv[2:])
+    with contextlib.suppress(OSError):  # the order may already be here, and the agent gone
+        sock.sendall(b"R")  # ready: the agent may count on us being warm
     order, fds = receive_order(sock)
     sock.close()
     become(order, fds)

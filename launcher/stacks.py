@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,10 +26,8 @@ FAULTHANDLER_WAIT = 1.0
 
 def capture(pid: int, path: Path, method: str, armed: bool) -> str:
     """Write all threads' stacks of ``pid`` to ``path``; returns how (or why not)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGCONT)  # a SIGSTOPped rank must run to answer a signal
-    py_spy = shutil.which("py-spy")
-    if method in ("auto", "py-spy") and py_spy:
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if method in ("auto", "py-spy") and py_spy:  # reads a stopped process as it stands
         try:
             result = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True,
                                     text=True, timeout=PY_SPY_TIMEOUT)
@@ -37,6 +36,8 @@ def capture(pid: int, path: Path, method: str, armed: bool) -> str:
         if result is not None and result.returncode == 0:
             path.write_text(result.stdout)
             return f"py-spy dump in {path}"
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)  # a SIGSTOPped rank must run to answer a signal
     if method in ("auto", "faulthandler") and armed:
         size = path.stat().st_size if path.exists() else 0
         try:

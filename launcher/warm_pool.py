@@ -9,10 +9,12 @@ read at import time (OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES) differ between local
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +31,7 @@ DEFAULT_PRELOAD = ("torch,torch.distributed,torch.nn.parallel,torch.optim,torch.
 class PoolProcess:
     proc: subprocess.Popen
     order_socket: socket.socket
+    ready: bool = False  # its preload finished
 
     def become(self, argv: list[str], env: dict[str, str], cwd: str, module: bool,
                stdout: int, stderr: int) -> None:
@@ -46,9 +49,26 @@ class WarmPool:
         self._guard = guard
         self._preexec_fn = preexec_fn  # own process group, dies with the agent: as ranks
         self._idle: dict[int, PoolProcess] = {}
+        self._filled_at = 0.0
+
+    def fds(self) -> list[int]:
+        """Sockets of idle processes still importing: each says "R" when it is warm."""
+        return [p.order_socket.fileno() for p in self._idle.values() if not p.ready]
+
+    def on_readable(self, fd: int) -> float | None:
+        """Note a ready (or dead) process; returns the fill's duration once all are warm."""
+        for p in self._idle.values():
+            if p.order_socket.fileno() == fd:
+                p.ready = True  # "R", or EOF from a dead one: either way it is done importing
+                with contextlib.suppress(OSError):
+                    p.order_socket.recv(1, socket.MSG_DONTWAIT)
+        if self._idle and all(p.ready for p in self._idle.values()):
+            return time.monotonic() - self._filled_at
+        return None
 
     def fill(self, slots: range) -> None:
         """Start an idle process in each empty slot (its imports then run in the background)."""
+        self._filled_at = time.monotonic()
         for slot in slots:
             if slot not in self._idle:
                 self._idle[slot] = self._spawn(slot)

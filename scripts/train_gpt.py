@@ -3,8 +3,10 @@
 It demonstrates what a fault-tolerant launcher has to cope with, using only torch:
 env:// rendezvous as torchrun sets it up, atomic self-managed checkpoints that make a
 killed-and-resumed run end bit-identical to an uninterrupted one, and env-controlled
-fault injection (TRAIN_FAULT_RANK / TRAIN_FAULT_STEP / TRAIN_FAULT_KIND) that fires only
-in the first attempt (TORCHELASTIC_RESTART_COUNT unset or "0").
+fault injection (TRAIN_FAULT_RANK / TRAIN_FAULT_STEP / TRAIN_FAULT_KIND: kill, segv, exit,
+exception, stop, hang, spin) that fires only in the first attempt (TORCHELASTIC_RESTART_COUNT
+unset or "0") unless TRAIN_FAULT_EVERY_ATTEMPT is set; TRAIN_STUCK_RANK blocks that rank for
+good at the same step. --shim runs the same training through trainer_shim.
 
 Note: with torch's own torchrun (torch 2.13), gloo workers restarted via --max-restarts hang
 or fail in connectFullMesh on stale keys in the shared rendezvous TCPStore
@@ -82,14 +84,25 @@ def log(msg):
     sys.stdout.flush()
 
 
-def maybe_inject_fault(rank, step):
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+def maybe_inject_fault(rank, step, heartbeat):
+    env = os.environ
+    if env.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and not env.get("TRAIN_FAULT_EVERY_ATTEMPT"):
         return
-    if "TRAIN_FAULT_STEP" not in os.environ or "TRAIN_FAULT_RANK" not in os.environ:
+    if "TRAIN_FAULT_STEP" not in env or step != int(env["TRAIN_FAULT_STEP"]):
         return
-    if rank != int(os.environ["TRAIN_FAULT_RANK"]) or step != int(os.environ["TRAIN_FAULT_STEP"]):
+    gate = env.get("TRAIN_FAULT_GATE")  # every rank waits here until this file exists
+    deadline = time.monotonic() + 120
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+        heartbeat(step - 1)
+        time.sleep(0.02)
+    if rank == int(env.get("TRAIN_STUCK_RANK", -1)):
+        log(f"stuck rank {rank} step {step}")
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire()  # blocks in C: deaf to everything but signals
+    if rank != int(env.get("TRAIN_FAULT_RANK", -1)):
         return
-    kind = os.environ.get("TRAIN_FAULT_KIND", "exception")
+    kind = env.get("TRAIN_FAULT_KIND", "exception")
     log(f"injecting fault {kind} rank {rank} step {step}")
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -99,6 +112,7 @@ def maybe_inject_fault(rank, step):
         sys.exit(3)
     elif kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+        threading.Event().wait()  # if continued, still no progress
     elif kind == "hang":
         threading.Event().wait()  # sleeps forever, GIL released
     elif kind == "spin":
@@ -189,7 +203,7 @@ def train(ctx, args, heartbeat):
 
     loss_val, t0 = None, time.perf_counter()
     for step in range(start + 1, args.steps + 1):  # `step` = number of steps done after it
-        maybe_inject_fault(rank, step)
+        maybe_inject_fault(rank, step, heartbeat)
         x, y = make_batch(args.seed, rank, step, args.batch_size)
         loss = F.cross_entropy(ddp(x).reshape(-1, VOCAB), y.reshape(-1))
         opt.zero_grad(set_to_none=True)

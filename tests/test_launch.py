@@ -68,7 +68,7 @@ def test_kill9_of_a_rank_recovers_and_resumes_from_checkpoint(tmp_path, launch):
     run.wait_for(r"\[rank1\]: step 12 ")
     os.kill(pid, signal.SIGKILL)
     run.wait_for(r"rank 1 was killed by SIGKILL")
-    run.wait_for(r"cold restart 1/3")
+    run.wait_for(r"rank restart 1/3")
     assert run.finish() == 0, run.output
 
     result, reference = json.loads(out.read_text()), json.loads(clean_out.read_text())
@@ -84,13 +84,13 @@ def test_failed_rank_is_restarted(tmp_path, launch, kind):
     run, out = _train(launch, tmp_path, kind, "--log-dir", str(tmp_path / "logs"), env=fault)
     assert run.finish() == 0, run.output
     assert json.loads(out.read_text())["restart_count"] == 1
-    assert "rank 0 " in run.output and "cold restart 1/3" in run.output
+    assert "rank 0 " in run.output and "rank restart 1/3" in run.output
     (events_file,) = (tmp_path / "logs").glob("*/events.jsonl")
     events = {e["event"]: e for e in map(json.loads, events_file.read_text().splitlines())}
     assert events["rank_failed"]["rank"] == 0
     assert events["recovering"]["cause"].startswith("rank 0 ")
     recovered = events["recovered"]
-    assert recovered["policy"] == "cold" and recovered["restart_count"] == 1
+    assert recovered["policy"] == "rank" and recovered["restart_count"] == 1
     assert list(recovered["phases"]) == ["decide", "stop", "backoff", "rendezvous", "spawn"]
     assert recovered["seconds"] == pytest.approx(sum(recovered["phases"].values()), abs=0.01)
     assert events["job_finished"]["exit_code"] == 0

@@ -69,7 +69,7 @@ def test_lost_node_is_acted_on_and_survivor_finishes(tmp_path, launch):
     worker_node.proc.kill()  # the whole node is gone: agent SIGKILLed, its rank dies with it
     worker_node.finish()
     # Whichever comes first acts: gloo's broken connection or the missed heartbeats.
-    coordinator_node.wait_for(r"-> cold restart 1/3", timeout=30)
+    coordinator_node.wait_for(r"-> rank restart 1/3", timeout=30)
     assert coordinator_node.finish() == 0, coordinator_node.output
     assert "lost: no heartbeat for" in coordinator_node.output
     result = json.loads((tmp_path / "out.json").read_text())

@@ -159,7 +159,7 @@ def _known_bug(runs: list[NodeLaunch], faulty: tuple[int, ...], cut_off: int) ->
         return FALSE_COORDINATOR_LOSS
     for k in (2, 3):
         dropped = re.search(rf"ftlaunch\.coordinator: node node{k}:\d+ lost", outputs[1])
-        if (dropped and k != cut_off and "-> cold restart" not in outputs[k]
+        if (dropped and k != cut_off and "-> rank restart" not in outputs[k]
                 and runs[k - 1].proc.poll() != 0):
             return DROPPED_NODE_NOT_TOLD
     return None
@@ -200,7 +200,7 @@ def test_partitioned_node_is_dropped_and_survivors_finish(nodes, cluster, launch
             run.wait_for(r"\[rank\d\]: step 15 ", timeout=90)
         partitioned_at = time.monotonic()
         cluster.node(3).partition()  # INPUT and OUTPUT on its eth0: the machine is unreachable
-        lost = rf"node node3:\d+ lost \(no heartbeat for {NODE_TIMEOUT:g}s\) -> cold restart 1/3"
+        lost = rf"node node3:\d+ lost \(no heartbeat for {NODE_TIMEOUT:g}s\) -> rank restart 1/3"
         for run in (first, second):
             run.wait_for(lost, timeout=ACT_WITHIN + 10)
             acted_after = time.monotonic() - partitioned_at
@@ -252,7 +252,7 @@ def test_paused_node_rejoins_or_leaves_cleanly(nodes, tmp_path):
         os.kill(second.proc.pid, signal.SIGSTOP)  # the agent only; its rank runs on
         try:
             first.wait_for(rf"node node2:\d+ lost \(no heartbeat for {NODE_TIMEOUT:g}s\) "
-                           r"-> cold restart 1/3", timeout=ACT_WITHIN + 10)
+                           r"-> rank restart 1/3", timeout=ACT_WITHIN + 10)
             # The fault's length, not a wait: frozen ~1 s beyond the coordinator's verdict,
             # so the agent cannot miss that it was silent for longer than the node timeout.
             time.sleep(1.0)

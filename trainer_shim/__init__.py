@@ -117,15 +117,21 @@ def restartable(fn: Callable[..., T]) -> Callable[..., T]:
             return fn(RestartContext.from_env(), *args, **kwargs)
         _link.hello_restartable()
         while True:
-            _link.in_training = True
+            error = ""
             try:
-                return fn(RestartContext.from_env(), *args, **kwargs)
-            except (SystemExit, KeyboardInterrupt):
-                raise
-            except BaseException as e:  # RestartRequested, or this rank's own failure
-                error = "" if isinstance(e, RestartRequested) else traceback.format_exc()
-            finally:
-                _link.in_training = False
+                _link.enter_training()
+                try:
+                    return fn(RestartContext.from_env(), *args, **kwargs)
+                except (SystemExit, KeyboardInterrupt):
+                    raise
+                except RestartRequested:
+                    pass
+                except BaseException:  # this rank's own failure, or a peer's echo
+                    error = traceback.format_exc()
+                finally:
+                    _link.leave_training()
+            except RestartRequested:  # an abort that landed while we were leaving anyway
+                _link.leave_training()
             _release_process_group()
             _link.send("parked", error=error[-4000:])
             os.environ.update(_link.wait_resume())

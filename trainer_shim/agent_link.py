@@ -34,7 +34,8 @@ class AgentLink:
         self._beats = self._connect()
         self._resume: queue.Queue[dict[str, str]] = queue.Queue()
         self._training_thread = threading.main_thread().ident
-        self.in_training = False
+        self._in_training = False
+        self._abort_lock = threading.Lock()
         self.restartable = False
         self.stacks = _register_stack_dump()
         self._commands = self._connect()
@@ -59,6 +60,17 @@ class AgentLink:
         self.restartable = True
         self.send("restartable")
 
+    def enter_training(self) -> None:
+        with self._abort_lock:
+            self._in_training = True
+
+    def leave_training(self) -> None:
+        """From now on an abort is ignored, and one already raised but not yet delivered
+        is withdrawn (PyThreadState_SetAsyncExc with NULL clears it)."""
+        with self._abort_lock:
+            self._in_training = False
+            _set_async_exc(self._training_thread, None)
+
     def wait_resume(self) -> dict[str, str]:
         """Block until the agent says how to re-enter (it kills us if we are not needed)."""
         return self._resume.get()
@@ -71,9 +83,16 @@ class AgentLink:
                 continue
             if msg.type == "resume":
                 self._resume.put(msg["env"])
-            elif msg.type == "abort" and self.in_training:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(self._training_thread), ctypes.py_object(RestartRequested))
+            elif msg.type == "abort":
+                with self._abort_lock:
+                    if self._in_training:
+                        _set_async_exc(self._training_thread, RestartRequested)
+
+
+def _set_async_exc(thread_id: int | None, exc: type[BaseException] | None) -> None:
+    """Raise ``exc`` in that thread at its next bytecode (None: cancel a pending one)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id or 0), ctypes.py_object(exc) if exc else None)
 
 
 def _register_stack_dump() -> bool:
