@@ -1,5 +1,7 @@
-"""The demo: 4 ranks train a tiny GPT under ftlaunch; one rank is killed with SIGKILL partway
-through; the job recovers from its checkpoint and finishes. Run it with scripts/demo.sh."""
+"""The demo: 4 ranks train a tiny GPT under ftlaunch with trainer_shim; once the warm pool is
+ready one rank is killed with SIGKILL; the three survivors re-enter in place, a warm
+interpreter replaces the dead one, all resume from the checkpoint, and the job finishes.
+Run it with scripts/demo.sh."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KILL_RANK, KILL_AT_STEP, STEPS = 2, 40, 100
+KILL_RANK, KILL_AT_STEP, STEPS = 2, 40, 400
 
 
 def main() -> int:
@@ -22,17 +24,20 @@ def main() -> int:
     cmd = [sys.executable, "-m", "launcher", "--standalone", "--nproc-per-node", "4",
            "--log-dir", str(work / "logs"), str(ROOT / "scripts" / "train_gpt.py"),
            "--steps", str(STEPS), "--ckpt-every", "10", "--log-every", "10", "--step-time", "0.03",
-           "--ckpt-dir", str(work / "ckpt"), "--out", str(work / "result.json")]
+           "--ckpt-dir", str(work / "ckpt"), "--out", str(work / "result.json"), "--shim"]
     print(f"$ ftlaunch {' '.join(cmd[3:])}\n", flush=True)
     agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    pid, killed_at = None, None
+    pid, killed_at, warm = None, None, False
     for line in agent.stdout:
         sys.stdout.write(line)
         if m := re.search(rf"\[rank{KILL_RANK}\]: start rank {KILL_RANK} .*pid (\d+)", line):
             pid = int(m.group(1))
-        if killed_at is None and pid and re.search(rf"\[rank{KILL_RANK}\]: step {KILL_AT_STEP} ", line):
-            print(f"\n>>> demo: kill -9 {pid} (rank {KILL_RANK}) at step {KILL_AT_STEP}\n", flush=True)
+        warm = warm or "warm pool ready" in line
+        step = re.search(rf"\[rank{KILL_RANK}\]: step (\d+) ", line)
+        if killed_at is None and pid and warm and step and int(step.group(1)) >= KILL_AT_STEP:
+            print(f"\n>>> demo: kill -9 {pid} (rank {KILL_RANK}) at step {step.group(1)}\n",
+                  flush=True)
             os.kill(pid, signal.SIGKILL)
             killed_at = time.monotonic()
     code = agent.wait()

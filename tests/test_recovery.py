@@ -99,6 +99,8 @@ def test_rank_policy_replaces_only_the_failed_rank(kind, request, tmp_path, laun
     hung rank's process is replaced, from the warm pool."""
     rank, step, env = _fault(request, kind)
     flags = ["--hang-timeout", "2"] if kind in HANG_FAULTS else []
+    if kind == "spin":  # the fallback: faulthandler answers even while the rank holds the GIL
+        flags += ["--stack-dump", "faulthandler"]
     run, out, logs = _run(launch, tmp_path, *flags, env=env, warm=True)
     assert run.finish(180) == 0, run.output
     context = f"fault {kind} rank {rank} step {step}\n{run.output}"

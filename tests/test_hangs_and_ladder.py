@@ -1,0 +1,146 @@
+"""Pure decisions of #4: hang detection, the recovery ladder, the no-progress breaker, and the
+node-local messages between ranks and their agent."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from launcher import recovery
+from launcher.hang_detection import (
+    LEARN_AFTER_BEATS,
+    HangTimeouts,
+    RankActivity,
+    hang_reason,
+    heartbeat_timeout,
+)
+from launcher.protocol import ProtocolError, pack_local, unpack_local
+
+T = HangTimeouts(heartbeat=10.0, startup=60.0, sections={"checkpoint": 100.0})
+
+
+# --- hang detection ------------------------------------------------------------------------
+
+
+def test_startup_timeout_applies_until_the_first_message():
+    a = RankActivity(started_at=0.0)
+    assert hang_reason(a, T, 59.0) is None
+    assert "startup timeout" in hang_reason(a, T, 61.0)
+    a.beat(61.0, 0)  # once it speaks, the heartbeat timeout rules
+    assert hang_reason(a, T, 70.0) is None
+    assert "no heartbeat for 10.5s" in hang_reason(a, T, 71.5)
+
+
+def test_any_message_is_a_sign_of_life():
+    a = RankActivity(0.0)
+    a.beat(1.0, 5)
+    a.section(9.0, "step", True)  # a section without its own timeout: heartbeat rules apply
+    assert hang_reason(a, T, 18.0) is None
+    assert hang_reason(a, T, 19.5) is not None
+
+
+def test_an_open_section_with_a_timeout_replaces_the_heartbeat_timeout():
+    a = RankActivity(0.0)
+    a.beat(1.0, 1)
+    a.section(2.0, "checkpoint", True)
+    assert hang_reason(a, T, 90.0) is None  # long past the heartbeat timeout: still fine
+    assert "section 'checkpoint'" in hang_reason(a, T, 103.0)
+    a.section(50.0, "checkpoint", False)
+    assert hang_reason(a, T, 59.0) is None and hang_reason(a, T, 61.0) is not None
+
+
+def test_zero_timeouts_never_fire():
+    a = RankActivity(0.0)
+    off = HangTimeouts(heartbeat=0.0, startup=0.0)
+    assert hang_reason(a, off, 1e9) is None
+    a.beat(1.0, 1)
+    assert hang_reason(a, off, 1e9) is None
+
+
+def test_learned_timeout_needs_enough_beats_and_stays_within_bounds():
+    learned = HangTimeouts(heartbeat=30.0, startup=0.0, factor=4.0)
+    a = RankActivity(0.0)
+    for i in range(LEARN_AFTER_BEATS - 1):
+        a.beat(i * 0.5, i)
+    assert heartbeat_timeout(a, learned) == 30.0  # not enough evidence yet
+    a.beat(LEARN_AFTER_BEATS * 0.5, LEARN_AFTER_BEATS)
+    assert heartbeat_timeout(a, learned) == pytest.approx(4.0 * 1.0)  # longest interval 1.0 s
+    fast = RankActivity(0.0)
+    for i in range(LEARN_AFTER_BEATS + 5):
+        fast.beat(i * 0.01, i)
+    assert heartbeat_timeout(fast, learned) == 1.0  # the floor
+    slow = RankActivity(0.0)
+    for i in range(LEARN_AFTER_BEATS + 5):
+        slow.beat(i * 20.0, i)
+    assert heartbeat_timeout(slow, learned) == 30.0  # never above the configured one
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0.001, 50.0), min_size=1, max_size=60), st.floats(0.0, 200.0))
+def test_a_rank_that_beats_within_the_timeout_is_never_hung(gaps, extra):
+    a, now = RankActivity(0.0), 0.0
+    for i, gap in enumerate(gaps):
+        now += gap
+        a.beat(now, i)
+    limit = heartbeat_timeout(a, T)
+    assert (hang_reason(a, T, now + extra) is None) == (extra <= limit)
+    assert a.step == len(gaps) - 1
+
+
+# --- the ladder and the breaker -----------------------------------------------------------
+
+
+def test_escalation_climbs_one_rung_per_stalled_recovery_and_stays_on_top():
+    assert [recovery.escalate("rank", n) for n in range(5)] == ["rank", "job", "cold", "cold",
+                                                                 "cold"]
+    assert [recovery.escalate("job", n) for n in range(3)] == ["job", "cold", "cold"]
+    assert recovery.escalate("cold", 7) == "cold"
+
+
+def test_progress_counts_recoveries_without_a_new_best_step():
+    p = recovery.Progress()
+    p = p.after_failure(12)
+    assert (p.best_step, p.stalled) == (12, 0)
+    p = p.after_failure(12).after_failure(9)
+    assert (p.best_step, p.stalled) == (12, 2)
+    assert p.after_failure(-1) == p  # unknown (no shim, lost node): neither way
+    assert p.after_failure(13) == recovery.Progress(13, 0)
+
+
+def test_decide_escalates_and_stops_with_do_not_requeue_when_stalled():
+    stalled = recovery.Progress(best_step=10, stalled=1)
+    d = recovery.decide(1, 5, "rank", "boom", progress=stalled, max_stalled=3)
+    assert (d.action, d.policy) == ("restart", "job")
+    d = recovery.decide(3, 5, "rank", "boom", progress=recovery.Progress(10, 3), max_stalled=3)
+    assert d.action == "stalled" and "no progress" in d.reason and "beyond 10" in d.reason
+    d = recovery.decide(3, 5, "rank", "boom", progress=recovery.Progress(10, 3), max_stalled=0)
+    assert (d.action, d.policy) == ("restart", "cold")  # 0 = the breaker is off
+
+
+# --- node-local messages -------------------------------------------------------------------
+
+
+def test_local_messages_round_trip():
+    for kind, fields in [("hello", {"pid": 7, "stacks": True}), ("restartable", {"pid": 7}),
+                         ("beat", {"pid": 7, "step": 3}),
+                         ("section", {"pid": 7, "name": "step", "open": False}),
+                         ("parked", {"pid": 7, "error": ""}), ("abort", {}),
+                         ("resume", {"env": {"RANK": "1"}})]:
+        msg = unpack_local(pack_local(kind, **fields))
+        assert (msg.type, msg.fields) == (kind, fields)
+
+
+@pytest.mark.parametrize("body", [
+    b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"type": "beat", "pid": 1}),
+    msgpack.packb({"type": "beat", "pid": 1, "step": "3"}),
+    msgpack.packb({"type": "beat", "pid": True, "step": 3}),
+    msgpack.packb({"type": "hello", "pid": 1, "stacks": 1}),
+    msgpack.packb({"type": "resume", "env": {"A": 1}}),
+    msgpack.packb({"type": "exec", "code": "import os"}),
+    b"\x00" * (2 << 20),
+])
+def test_malformed_local_messages_are_rejected(body):
+    with pytest.raises(ProtocolError):
+        unpack_local(body)
