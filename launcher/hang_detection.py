@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 LEARN_AFTER_BEATS = 20
 LEARNED_FLOOR = 1.0
+TICK_INTERVAL = 0.5
+"""The shim's own thread ticks this often; silent for FROZEN_AFTER, the process is frozen."""
+FROZEN_AFTER = 4 * TICK_INTERVAL
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,14 @@ class RankActivity:
     longest_interval: float = 0.0
     step: int = -1
     open_sections: dict[str, float] = field(default_factory=dict)
+    last_tick: float | None = None  # the shim's thread, not the training thread
+
+    def frozen(self, now: float) -> bool:
+        """Not even the shim's thread runs: SIGSTOPped, or spinning with the GIL held.
+
+        A rank merely blocked in a collective (on a hung peer) still ticks; so this tells
+        the culprit from the ranks that wait for it."""
+        return self.last_tick is not None and now - self.last_tick > FROZEN_AFTER
 
     def beat(self, now: float, step: int) -> None:
         if self.last_beat is not None:

@@ -82,6 +82,8 @@ class RankHub:
                 link.pending.clear()
             elif msg.type == "restartable":
                 link.restartable = True
+            elif msg.type == "tick":
+                link.activity.last_tick = now
             elif msg.type == "beat":
                 link.activity.beat(now, msg["step"])
                 self.best_step = max(self.best_step, msg["step"])
@@ -102,10 +104,16 @@ class RankHub:
             self.socket.send_multipart([link.identity, data])
 
     def hung(self, now: float, timeouts: HangTimeouts) -> list[tuple[int, str]]:
-        """(pid, reason) of every hung rank that uses the shim and is not parked."""
-        return [(pid, reason) for pid, link in self.links.items()
+        """(pid, reason) of the hung ranks (of those using the shim, not parked).
+
+        When some of them are frozen, only those: the others are most likely blocked in a
+        collective on them, and will be released when the frozen ones are killed."""
+        hung = [(pid, reason) for pid, link in self.links.items()
                 if link.identity is not None and not link.parked
                 and (reason := hang_reason(link.activity, timeouts, now)) is not None]
+        frozen = [(pid, reason + " (frozen)") for pid, reason in hung
+                  if self.links[pid].activity.frozen(now)]
+        return frozen or hung
 
     def reset_steps(self) -> None:
         self.best_step = -1

@@ -133,7 +133,7 @@ def test_forged_replayed_and_garbage_messages_harm_nothing(tmp_path, launch):
     wrong_key = Codec(b"not-the-job-secret-at-all")
     right_key = Codec(hashlib.sha256(b"s3cret-job-key").digest())
     stale = right_key.encode("failure", 0, node_id="x", rank=0, local_rank=0, exit_code=1,
-                             signal="", cause="forged stale failure")
+                             signal="", cause="forged stale failure", step=-1)
     for frames in (
         wrong_key.encode("leave", 1, node_id="x", exit_code=9, reason="forged"),
         [b"\x00garbage", b"\x01" * 32],

@@ -112,16 +112,18 @@ def test_rank_policy_replaces_only_the_failed_rank(kind, request, tmp_path, laun
     survivors = [r for r in range(NPROC) if r != rank]
     if kind == "exception":  # a rank that raised is alive and healthy: it re-enters too
         assert after == before and sorted(recovered[0]["resumed"]) == list(range(NPROC)), context
-    elif kind in SHIM_FAULTS:
+    elif kind != "hang":  # dead, or frozen (stopped, or spinning with the GIL held)
         assert after[rank] != before[rank], context
         assert all(after[r] == before[r] for r in survivors), f"survivors kept their process; {context}"
         assert sorted(recovered[0]["resumed"]) == survivors, context
         assert recovered[0]["warm"] == [rank], f"the replacement came from the warm pool; {context}"
-    else:  # a peer blocked in a collective on the hung rank looks hung too: both may go
+    else:  # asleep for good: its peer blocked in a collective on it looks the same; both go
         assert after[rank] != before[rank] and rank in recovered[0]["warm"], context
         assert not recovered[0]["fresh"], context
+    if kind in HANG_FAULTS:
         hung = [e["rank"] for e in _events(logs) if e["event"] == "rank_hung"]
         assert rank in hung, context
+        assert hung == [rank] or kind == "hang", f"only the frozen rank is killed; {context}"
         stacks = next(logs.glob(f"*/attempt_0/{rank}/stacks.txt")).read_text()
         assert "maybe_inject_fault" in stacks, f"stacks of the hung rank captured; {context}"
 
@@ -204,3 +206,33 @@ def test_shim_is_a_no_op_without_an_agent(tmp_path):
                    env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(SCRIPTS.parent)})
     assert json.loads(out.read_text())["final_step"] == 3
     assert time.monotonic() - start < 120  # hang guard only
+
+
+def test_rank_policy_across_two_nodes(request, tmp_path, launch, reference):
+    """Two agents (nodes) on loopback, one rank each, shim script: rank 1's process is killed;
+    the other node's rank re-enters in place and both resume from one checkpoint."""
+    from test_multinode import _free_port, _wait_listening
+
+    port, out, gate = _free_port(), tmp_path / "result.json", tmp_path / "gate"
+    env = {"TRAIN_FAULT_RANK": "1", "TRAIN_FAULT_STEP": "10", "TRAIN_FAULT_KIND": "kill",
+           "TRAIN_FAULT_GATE": str(gate)}
+    nodes = []
+    for _ in range(2):
+        nodes.append(launch("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job",
+                            "--node-timeout", "5", TRAIN, "--steps", str(STEPS),
+                            "--ckpt-every", str(CKPT_EVERY), "--ckpt-dir", str(tmp_path / "ckpt"),
+                            "--out", str(out), "--shim", env=env))
+        if len(nodes) == 1:
+            _wait_listening(port)
+    for node in nodes:
+        node.wait_for(r"warm pool ready", timeout=120)
+    gate.touch()
+    codes = [node.finish(180) for node in nodes]
+    both = "\n".join(n.output for n in nodes)
+    assert codes == [0, 0], both
+    _check_result(out, reference, 10, both)
+    restarts = [re.search(r"restart 1 \(rank\): .*ranks (resumed|warm) \[(\d)\]", n.output)
+                for n in nodes]
+    assert all(restarts), both
+    assert {(m.group(1), m.group(2)) for m in restarts} == {("resumed", "0"), ("warm", "1")}, both

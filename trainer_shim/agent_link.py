@@ -8,14 +8,17 @@ never waited on), and a daemon thread listens for the agent's commands: "abort" 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import os
 import queue
 import threading
+import time
 
 import zmq
 
+from launcher.hang_detection import TICK_INTERVAL
 from launcher.pool_process import STACK_SIGNAL_ENV, STACKS_FILE_ENV
 from launcher.protocol import pack_local, unpack_local
 from launcher.rank_hub import HUB_ENV
@@ -39,6 +42,7 @@ class AgentLink:
         self.restartable = False
         self.stacks = _register_stack_dump()
         self._commands = self._connect()
+        self._next_tick = 0.0
         self._commands.send(pack_local("hello", pid=self.pid, stacks=self.stacks))
         threading.Thread(target=self._listen, name="ftlaunch-shim", daemon=True).start()
 
@@ -76,17 +80,27 @@ class AgentLink:
         return self._resume.get()
 
     def _listen(self) -> None:
+        """Obey the agent's commands; tick meanwhile, so the agent can tell a rank blocked in
+        a collective (this thread still runs) from a frozen one (it does not)."""
+        poller = zmq.Poller()
+        poller.register(self._commands, zmq.POLLIN)
+        tick = pack_local("tick", pid=self.pid)
         while True:
-            try:
-                msg = unpack_local(self._commands.recv())
-            except Exception:
-                continue
-            if msg.type == "resume":
-                self._resume.put(msg["env"])
-            elif msg.type == "abort":
-                with self._abort_lock:
-                    if self._in_training:
-                        _set_async_exc(self._training_thread, RestartRequested)
+            if poller.poll(TICK_INTERVAL * 1000):
+                try:
+                    msg = unpack_local(self._commands.recv())
+                except Exception:
+                    continue
+                if msg.type == "resume":
+                    self._resume.put(msg["env"])
+                elif msg.type == "abort":
+                    with self._abort_lock:
+                        if self._in_training:
+                            _set_async_exc(self._training_thread, RestartRequested)
+            if time.monotonic() >= self._next_tick:
+                self._next_tick = time.monotonic() + TICK_INTERVAL
+                with contextlib.suppress(zmq.Again):
+                    self._commands.send(tick, zmq.NOBLOCK)
 
 
 def _set_async_exc(thread_id: int | None, exc: type[BaseException] | None) -> None:
