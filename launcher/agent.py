@@ -293,6 +293,8 @@ class Agent:
 
     def _check_hangs(self, now: float) -> None:
         """Capture a hung rank's stacks, then kill it: its exit is then a failure like any."""
+        if any(r.cause and r.returncode is None for r in self.workers.ranks.values()):
+            return  # one we killed is not reaped yet: its peers may be waiting on it
         for pid, reason in self.hub.hung(now, self.hang_timeouts):
             rank, link = self.workers.by_pid(pid), self.hub.links[pid]
             self.hub.forget(pid)

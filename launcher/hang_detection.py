@@ -51,6 +51,11 @@ class RankActivity:
         self.last_beat = self.last_seen = now
         self.step = max(self.step, step)
 
+    def restore(self, longest_interval: float) -> None:
+        """What an earlier incarnation learned (saved with a checkpoint): use it at once."""
+        self.longest_interval = max(self.longest_interval, longest_interval)
+        self.beats = max(self.beats, LEARN_AFTER_BEATS)
+
     def section(self, now: float, name: str, is_open: bool) -> None:
         self.last_seen = now
         if is_open:

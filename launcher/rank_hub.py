@@ -82,6 +82,8 @@ class RankHub:
                 link.pending.clear()
             elif msg.type == "restartable":
                 link.restartable = True
+            elif msg.type == "learned":
+                link.activity.restore(msg["interval"])
             elif msg.type == "tick":
                 link.activity.last_tick = now
             elif msg.type == "beat":

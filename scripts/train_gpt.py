@@ -153,9 +153,9 @@ def main():
     if args.shim:  # fast recovery: re-entered in place, heartbeats for hang detection
         import trainer_shim
 
-        trainer_shim.restartable(train)(args, trainer_shim.heartbeat)
+        trainer_shim.restartable(train)(args, trainer_shim)
     else:
-        train(None, args, lambda step: None)
+        train(None, args, None)
 
 
 def parse_args():
@@ -173,8 +173,9 @@ def parse_args():
     return p.parse_args()
 
 
-def train(ctx, args, heartbeat):
+def train(ctx, args, shim):
     """One entry into training: resume from the checkpoint, run to --steps."""
+    heartbeat = shim.heartbeat if shim else (lambda step: None)
 
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
@@ -196,6 +197,8 @@ def train(ctx, args, heartbeat):
         opt.load_state_dict(ckpt["optim"])
         torch.set_rng_state(ckpt["rng"])
         start = int(ckpt["step"])
+        if shim and "shim" in ckpt:
+            shim.load_state_dict(ckpt["shim"])  # the learned pace, for hang timeouts
     if ckpt_path and rank == 0:
         os.makedirs(args.ckpt_dir, exist_ok=True)
     ddp = DDP(model) if distributed else model
@@ -221,6 +224,8 @@ def train(ctx, args, heartbeat):
                     "step": step,
                     "rng": torch.get_rng_state(),
                 }
+                if shim:
+                    state["shim"] = shim.state_dict()
                 atomic_save(state, ckpt_path)
             if distributed:
                 dist.barrier()

@@ -144,3 +144,24 @@ def test_local_messages_round_trip():
 def test_malformed_local_messages_are_rejected(body):
     with pytest.raises(ProtocolError):
         unpack_local(body)
+
+
+def test_a_restored_interval_sets_the_learned_timeout_from_the_first_beat():
+    learned = HangTimeouts(heartbeat=60.0, startup=0.0, factor=3.0)
+    a = RankActivity(0.0)
+    a.restore(2.0)  # saved by trainer_shim.state_dict() with the last checkpoint
+    a.beat(1.0, 0)
+    assert heartbeat_timeout(a, learned) == 6.0
+    assert hang_reason(a, learned, 6.5) is None and hang_reason(a, learned, 7.5) is not None
+
+
+def test_shim_state_dict_round_trips_without_an_agent():
+    import trainer_shim as ft
+
+    assert not ft.is_managed()
+    ft.load_state_dict({"longest_heartbeat_interval": 1.5})
+    assert ft.state_dict() == {"longest_heartbeat_interval": 1.5}
+    ft.heartbeat(3)  # no agent: nothing happens, nothing fails
+    with ft.section("step"):
+        pass
+    assert ft.restartable(lambda ctx, x: (ctx.attempt, x))(7) == (0, 7)

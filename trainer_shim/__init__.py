@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["RestartContext", "RestartRequested", "heartbeat", "is_managed", "restartable",
-           "section"]
+__all__ = ["RestartContext", "RestartRequested", "heartbeat", "is_managed",
+           "load_state_dict", "restartable", "section", "state_dict"]
 
 T = TypeVar("T")
 MIN_BEAT_INTERVAL = 0.05
@@ -50,7 +50,9 @@ def _connect():
 
 
 _link = _connect()
-_last_beat = 0.0
+_last_beat = 0.0  # last heartbeat sent
+_last_call = 0.0  # last heartbeat() call
+_longest_interval = 0.0  # between calls: what --hang-timeout-factor learns from
 
 if _link is not None:
     from trainer_shim.agent_link import RestartRequested
@@ -61,13 +63,30 @@ else:
 
 def heartbeat(step: int | None = None) -> None:
     """Tell the agent this rank is alive (and at ``step``, which measures progress)."""
-    global _last_beat
+    global _last_beat, _last_call, _longest_interval
     if _link is None:
         return
     now = time.monotonic()
+    if _last_call:
+        _longest_interval = max(_longest_interval, now - _last_call)
+    _last_call = now
     if now - _last_beat >= MIN_BEAT_INTERVAL:
         _last_beat = now
         _link.send("beat", step=-1 if step is None else int(step))
+
+
+def state_dict() -> dict[str, float]:
+    """What the shim learned about this job's pace; save it with your checkpoint."""
+    return {"longest_heartbeat_interval": _longest_interval}
+
+
+def load_state_dict(state: dict[str, float]) -> None:
+    """Restore it after a restart: a learned hang timeout (--hang-timeout-factor) then holds
+    from the first step instead of after 20 new heartbeats."""
+    global _longest_interval
+    _longest_interval = max(_longest_interval, float(state.get("longest_heartbeat_interval", 0)))
+    if _link is not None and _longest_interval > 0:
+        _link.send("learned", interval=_longest_interval)
 
 
 @contextlib.contextmanager
@@ -113,6 +132,7 @@ def restartable(fn: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(fn)
     def run(*args, **kwargs) -> T:
+        global _last_call
         if _link is None:
             return fn(RestartContext.from_env(), *args, **kwargs)
         _link.hello_restartable()
@@ -133,6 +153,7 @@ def restartable(fn: Callable[..., T]) -> Callable[..., T]:
             except RestartRequested:  # an abort that landed while we were leaving anyway
                 _link.leave_training()
             _release_process_group()
+            _last_call = 0.0  # the pause until resume is not a step
             _link.send("parked", error=error[-4000:])
             os.environ.update(_link.wait_resume())
 
