@@ -34,8 +34,10 @@ from launcher.store import AgentStore
 from launcher.warm_pool import WarmPool
 from launcher.workers import OutputPlan, Program, Rank, RankExit, WorkerGroup, rank_preexec_fn
 
-POOL_FILL_DELAY = 2.0
-"""Seconds after ranks start before the warm pool (re)fills: their own start-up comes first."""
+POOL_FILL_AFTER = 30.0
+"""The warm pool (re)fills once every local rank sent its first heartbeat (its start-up is
+over), or this many seconds after the ranks started (scripts without trainer_shim): its
+imports must not compete with the ranks' own."""
 HANG_CHECK_INTERVAL = 0.1
 
 log = logging.getLogger("ftlaunch.agent")
@@ -172,7 +174,7 @@ class Agent:
             self.hub.links[rank.proc.pid].stacks = warm is not None  # armed by the pool
             sources["warm" if warm else "fresh"].append(rank.rank)
         self.first_failure = None
-        self.pool_fill_at = now + POOL_FILL_DELAY
+        self.pool_fill_at = now + POOL_FILL_AFTER
         if self.recovery is not None:
             self.recovery.mark("spawn")
             phases = ", ".join(f"{k} {v:.3f}s" for k, v in self.recovery.phases.items())
@@ -260,7 +262,12 @@ class Agent:
 
     def _on_rank_messages(self) -> None:
         now = time.monotonic()
-        for pid in self.hub.receive(now):
+        parked = self.hub.receive(now)
+        if self.pool_fill_at is not None and self.recovery is None and all(
+                (link := self.hub.links.get(r.proc.pid)) and link.activity.beats
+                for r in self.workers.alive()):
+            self.pool_fill_at = now  # every rank is past its start-up: warm up now
+        for pid in parked:
             rank = self.workers.by_pid(pid)
             error = self.hub.links[pid].error
             if rank is not None and error and self.recovery is None:
