@@ -26,8 +26,10 @@ FAULTHANDLER_WAIT = 1.0
 
 def capture(pid: int, path: Path, method: str, armed: bool) -> str:
     """Write all threads' stacks of ``pid`` to ``path``; returns how (or why not)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)  # neither py-spy nor a signal handler reaches a stopped rank
     py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
-    if method in ("auto", "py-spy") and py_spy:  # reads a stopped process as it stands
+    if method in ("auto", "py-spy") and py_spy:
         try:
             result = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True,
                                     text=True, timeout=PY_SPY_TIMEOUT)
@@ -36,8 +38,6 @@ def capture(pid: int, path: Path, method: str, armed: bool) -> str:
         if result is not None and result.returncode == 0:
             path.write_text(result.stdout)
             return f"py-spy dump in {path}"
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGCONT)  # a SIGSTOPped rank must run to answer a signal
     if method in ("auto", "faulthandler") and armed:
         size = path.stat().st_size if path.exists() else 0
         try:
