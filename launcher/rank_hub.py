@@ -22,6 +22,9 @@ from launcher.protocol import ProtocolError, pack_local, unpack_local
 log = logging.getLogger("ftlaunch.hub")
 
 HUB_ENV = "FTLAUNCH_HUB"
+SAME_MOMENT = 0.25
+"""Ranks that fell silent within this of each other count as silent together (> the shim's
+50 ms heartbeat throttle plus the agent's 100 ms check interval)."""
 
 
 @dataclass
@@ -110,12 +113,19 @@ class RankHub:
 
         When some of them are frozen, only those: the others are most likely blocked in a
         collective on them, and will be released when the frozen ones are killed."""
-        hung = [(pid, reason) for pid, link in self.links.items()
-                if link.identity is not None and not link.parked
-                and (reason := hang_reason(link.activity, timeouts, now)) is not None]
+        watched = {pid: link.activity for pid, link in self.links.items()
+                   if link.identity is not None and not link.parked}
+        hung = [(pid, reason) for pid, activity in watched.items()
+                if (reason := hang_reason(activity, timeouts, now)) is not None]
         frozen = [(pid, reason + " (frozen)") for pid, reason in hung
-                  if self.links[pid].activity.frozen(now)]
-        return frozen or hung
+                  if watched[pid].frozen(now)]
+        if frozen or not hung:
+            return frozen
+        # Asleep, not frozen: it looks just like the peers blocked on it, which fell silent
+        # at the same moment (give or take the heartbeat throttle): take them all at once.
+        later = now + SAME_MOMENT
+        return [(pid, reason) for pid, activity in watched.items()
+                if (reason := hang_reason(activity, timeouts, later)) is not None]
 
     def reset_steps(self) -> None:
         self.best_step = -1

@@ -165,3 +165,30 @@ def test_shim_state_dict_round_trips_without_an_agent():
     with ft.section("step"):
         pass
     assert ft.restartable(lambda ctx, x: (ctx.attempt, x))(7) == (0, 7)
+
+
+def test_hub_blames_the_frozen_rank_else_all_that_fell_silent_together():
+    import zmq
+
+    from launcher.rank_hub import RankHub
+
+    context = zmq.Context()
+    hub = RankHub(context)
+    try:
+        timeouts = HangTimeouts(heartbeat=1.0, startup=0.0)
+        for pid, last in ((1, 0.0), (2, 0.1), (3, 5.0)):  # 3 is fine: it beat recently
+            hub.track(pid, 0.0)
+            link = hub.links[pid]
+            link.identity = b"x"
+            link.activity.beat(last, 1)
+            link.activity.last_tick = 5.0  # every shim thread still runs
+        assert [pid for pid, _ in hub.hung(1.05, timeouts)] == [1, 2]  # asleep: both go
+        hub.links[1].activity.last_tick = 0.0  # 1 is frozen: its peer only waits on it
+        assert [pid for pid, _ in hub.hung(5.1, timeouts)] == [1]
+        assert "frozen" in hub.hung(5.1, timeouts)[0][1]
+        hub.links[2].parked = True  # parked ranks are never hung
+        hub.links[1].activity.last_tick = 5.0
+        assert [pid for pid, _ in hub.hung(1.05, timeouts)] == [1]
+    finally:
+        hub.close()
+        context.term()
