@@ -26,7 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["RestartContext", "RestartRequested", "heartbeat", "is_managed",
+__all__ = ["AsyncCheckpointer", "CheckpointError", "RestartContext", "RestartRequested",
+           "heartbeat", "is_managed",
            "load_state_dict", "restartable", "section", "state_dict"]
 
 T = TypeVar("T")
@@ -166,3 +167,12 @@ def _release_process_group() -> None:
     if dist is not None and dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def __getattr__(name: str):
+    """``ft.AsyncCheckpointer`` without importing torch when the shim itself is imported."""
+    if name in ("AsyncCheckpointer", "CheckpointError"):
+        from trainer_shim import checkpoint
+
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module 'trainer_shim' has no attribute {name!r}")
