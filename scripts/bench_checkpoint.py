@@ -1,0 +1,160 @@
+"""Checkpoint cost: how long training is blocked, and how long until the state is durable.
+
+One process, one state of --gib GiB (fp32 "model" + two Adam-like moments, in 64 MiB
+tensors), written to --dir (a local disk by default) by each method in turn:
+
+    memcpy floor      copy into preallocated, touched buffers (what any staging must pay)
+    dd                raw bytes of the same size, written and fdatasync'ed (the disk's floor)
+    torch.save        torch.save + fsync (blocks for everything)
+    dcp.save          torch.distributed.checkpoint.save (blocks for everything)
+    dcp.async_save    torch.distributed.checkpoint.async_save (blocks for its staging)
+    ftlaunch          trainer_shim.AsyncCheckpointer.save / .wait
+
+"blocked" is the caller's time in the save call; "durable" is until the data is fsynced
+(for async methods: until wait()/result() returns). Each method runs --reps times; medians.
+
+    python scripts/bench_checkpoint.py --gib 1 --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CHUNK = 16 * 1024 * 1024  # floats per tensor: 64 MiB
+
+
+def make_state(gib: float) -> dict[str, dict[str, torch.Tensor]]:
+    n = int(gib * (1 << 30) / 4 / 3 / CHUNK) or 1
+    g = torch.Generator().manual_seed(0)
+    return {part: {f"t{i}": torch.rand(CHUNK, generator=g) for i in range(n)}
+            for part in ("model", "exp_avg", "exp_avg_sq")}
+
+
+def nbytes(state) -> int:
+    return sum(t.numel() * t.element_size() for d in state.values() for t in d.values())
+
+
+def fsync_tree(path: Path) -> None:
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def bench_memcpy(state, out):
+    buffers = {k: {n: torch.zeros_like(t) for n, t in d.items()} for k, d in state.items()}
+    t0 = time.perf_counter()  # into buffers already touched: as a reused staging area is
+    for k, d in state.items():
+        for n, t in d.items():
+            buffers[k][n].copy_(t)
+    t = time.perf_counter() - t0
+    return t, t
+
+
+def bench_dd(state, out):
+    size_mib = nbytes(state) >> 20
+    t0 = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={out / 'dd.bin'}", "bs=1M", f"count={size_mib}",
+                    "conv=fdatasync", "status=none"], check=True)
+    t = time.perf_counter() - t0
+    return t, t
+
+
+def bench_torch_save(state, out):
+    t0 = time.perf_counter()
+    with open(out / "state.pt", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    t = time.perf_counter() - t0
+    return t, t
+
+
+def bench_dcp_save(state, out):
+    import torch.distributed.checkpoint as dcp
+
+    t0 = time.perf_counter()
+    dcp.save(state, checkpoint_id=str(out / "dcp"))
+    fsync_tree(out / "dcp")
+    t = time.perf_counter() - t0
+    return t, t
+
+
+def bench_dcp_async(state, out):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    if not dist.is_initialized():  # async_save needs a process group, even for one rank
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    t0 = time.perf_counter()
+    future = dcp.async_save(state, checkpoint_id=str(out / "dcp_async"))
+    blocked = time.perf_counter() - t0
+    future.result()
+    fsync_tree(out / "dcp_async")
+    return blocked, time.perf_counter() - t0
+
+
+_CHECKPOINTERS: dict = {}
+
+
+def bench_ftlaunch(state, out):
+    from trainer_shim.checkpoint import AsyncCheckpointer
+
+    root = out.parent.parent  # one checkpointer for every rep: its staging is reused
+    ckpt = _CHECKPOINTERS.setdefault(root, AsyncCheckpointer(root / "ftlaunch", keep_last=1))
+    step = (ckpt.latest_step() or 0) + 1
+    t0 = time.perf_counter()
+    ckpt.save(step, **state)
+    blocked = time.perf_counter() - t0
+    ckpt.wait()
+    return blocked, time.perf_counter() - t0
+
+
+METHODS = {"memcpy floor": bench_memcpy, "dd": bench_dd, "torch.save": bench_torch_save,
+           "dcp.save": bench_dcp_save, "dcp.async_save": bench_dcp_async,
+           "ftlaunch": bench_ftlaunch}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where to write (default: a temp dir on /tmp)")
+    p.add_argument("--methods", default=",".join(METHODS))
+    args = p.parse_args()
+    state = make_state(args.gib)
+    root = Path(tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir))
+    print(f"state {nbytes(state) / (1 << 30):.2f} GiB in {sum(len(d) for d in state.values())} "
+          f"tensors; writing under {root}; torch {torch.__version__}, {os.cpu_count()} CPUs")
+    results = {}
+    for rep in range(args.reps):
+        for name in args.methods.split(","):
+            out = root / f"rep{rep}" / name.replace(" ", "_")
+            out.mkdir(parents=True)
+            blocked, durable = METHODS[name](state, out)
+            results.setdefault(name, []).append((blocked, durable))
+            print(f"rep {rep} {name:<15} blocked {blocked:7.3f} s  durable {durable:7.3f} s",
+                  flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    gib = nbytes(state) / (1 << 30)
+    print(f"\n{'method':<15} {'blocked s':>10} {'durable s':>10} {'GiB/s durable':>14}  (medians)")
+    for name, values in results.items():
+        b = statistics.median(v[0] for v in values)
+        d = statistics.median(v[1] for v in values)
+        print(f"{name:<15} {b:10.3f} {d:10.3f} {gib / d:14.2f}")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
