@@ -61,12 +61,15 @@ def become(order: dict, fds: list[int]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def register_stack_dump() -> None:
-    """Let the agent ask for all threads' stacks with a signal, even while we hold the GIL."""
+def register_stack_dump() -> bool:
+    """Let the agent ask for all threads' stacks with a signal, even while we hold the GIL
+    (the agent's env names the signal and the file); True if armed."""
     path, signum = os.environ.get(STACKS_FILE_ENV), os.environ.get(STACK_SIGNAL_ENV)
-    if path and signum:
-        stacks = open(path, "a")  # noqa: SIM115 - must stay open for the signal handler
-        faulthandler.register(int(signum), file=stacks, all_threads=True)
+    if not (path and signum):
+        return False
+    stacks = open(path, "a")  # noqa: SIM115 - must stay open for the signal handler
+    faulthandler.register(int(signum), file=stacks, all_threads=True)
+    return True
 
 
 def main() -> None:

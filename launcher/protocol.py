@@ -90,12 +90,7 @@ def unpack_local(data: bytes) -> Message:
     """Decode a node-local message; anything malformed raises ProtocolError."""
     if len(data) > MAX_BYTES:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_BYTES}")
-    try:
-        fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as e:
-        raise ProtocolError(f"undecodable body: {type(e).__name__}") from None
-    if not isinstance(fields, dict):
-        raise ProtocolError("body is not a map")
+    fields = _unpack_map(data)
     kind = fields.pop("type", None)
     _check_fields(kind, fields, LOCAL_SCHEMA)
     return Message(kind, 0, fields)
@@ -141,12 +136,7 @@ class Codec:
         expected = hmac.new(self._secret, body, hashlib.sha256).digest()
         if not hmac.compare_digest(expected, mac):
             raise ProtocolError("bad signature (wrong job secret or forged message)")
-        try:
-            data = msgpack.unpackb(body, raw=False, strict_map_key=True)
-        except Exception as e:
-            raise ProtocolError(f"undecodable body: {type(e).__name__}") from None
-        if not isinstance(data, dict):
-            raise ProtocolError("body is not a map")
+        data = _unpack_map(body)
         version = data.pop("v", None)
         if type(version) is not int or version != VERSION:
             raise ProtocolError(f"unsupported protocol version (this side speaks {VERSION})")
@@ -160,6 +150,17 @@ class Codec:
             raise ProtocolError(f"replayed message (seq {seq} from {sid})")
         self._last_seq[sid] = seq
         return Message(kind, epoch, data)
+
+
+def _unpack_map(body: bytes) -> dict[str, Any]:
+    """msgpack that must decode to a map (never anything executable)."""
+    try:
+        data = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise ProtocolError(f"undecodable body: {type(e).__name__}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError("body is not a map")
+    return data
 
 
 def _check_fields(kind: Any, fields: dict[str, Any],

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import faulthandler
 import os
 import queue
 import threading
@@ -19,7 +18,7 @@ import time
 import zmq
 
 from launcher.hang_detection import TICK_INTERVAL
-from launcher.pool_process import STACK_SIGNAL_ENV, STACKS_FILE_ENV
+from launcher.pool_process import register_stack_dump
 from launcher.protocol import pack_local, unpack_local
 from launcher.rank_hub import HUB_ENV
 
@@ -40,7 +39,7 @@ class AgentLink:
         self._in_training = False
         self._abort_lock = threading.Lock()
         self.restartable = False
-        self.stacks = _register_stack_dump()
+        self.stacks = register_stack_dump()
         self._commands = self._connect()
         self._next_tick = 0.0
         self._commands.send(pack_local("hello", pid=self.pid, stacks=self.stacks))
@@ -107,13 +106,3 @@ def _set_async_exc(thread_id: int | None, exc: type[BaseException] | None) -> No
     """Raise ``exc`` in that thread at its next bytecode (None: cancel a pending one)."""
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
         ctypes.c_ulong(thread_id or 0), ctypes.py_object(exc) if exc else None)
-
-
-def _register_stack_dump() -> bool:
-    """faulthandler on the agent's signal: all threads' stacks, even with the GIL held."""
-    path, signum = os.environ.get(STACKS_FILE_ENV), os.environ.get(STACK_SIGNAL_ENV)
-    if not (path and signum):
-        return False
-    stacks = open(path, "a")  # noqa: SIM115 - must stay open for the signal handler
-    faulthandler.register(int(signum), file=stacks, all_threads=True)
-    return True
