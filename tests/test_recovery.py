@@ -15,6 +15,7 @@ import sys
 import time
 import zlib
 
+import psutil
 import pytest
 from conftest import SCRIPTS, TAG_VAR, tagged_processes
 
@@ -78,6 +79,14 @@ def _pids(run, restart):
         if m:
             seen.setdefault(int(m.group(1)), []).append(int(m.group(2)))
     return {rank: pids[restart] for rank, pids in seen.items() if len(pids) > restart}
+
+
+def _is_pool_process(p) -> bool:
+    """A warm-pool interpreter (a process that just exited is none: it cannot be asked)."""
+    try:
+        return "launcher.pool_process" in p.cmdline()
+    except psutil.Error:
+        return False
 
 
 def _check_result(out, reference, fault_step, context):
@@ -151,8 +160,7 @@ def test_unmodified_script_restarts_from_the_warm_pool(request, tmp_path, launch
     warm interpreter, and the pool's processes are gone when the job ends (the fixture checks)."""
     rank, step, env = _fault(request, "kill")
     run, out, logs = _run(launch, tmp_path, shim=False, env=env, warm=True)
-    pool = [p for p in tagged_processes(launcher_env[TAG_VAR])
-            if "launcher.pool_process" in p.cmdline()]
+    pool = [p for p in tagged_processes(launcher_env[TAG_VAR]) if _is_pool_process(p)]
     assert len(pool) == NPROC, "one idle interpreter per local rank"
     assert run.finish(180) == 0, run.output
     context = f"fault kill rank {rank} step {step}\n{run.output}"
