@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -33,6 +34,7 @@ from launcher.rank_hub import HUB_ENV, RankHub
 from launcher.store import AgentStore
 from launcher.warm_pool import WarmPool
 from launcher.workers import OutputPlan, Program, Rank, RankExit, WorkerGroup, rank_preexec_fn
+from trainer_shim import staging
 
 POOL_FILL_AFTER = 30.0
 """The warm pool (re)fills once every local rank sent its first heartbeat (its start-up is
@@ -406,6 +408,17 @@ class Agent:
             self.store.close()
             self.store = None
 
+    def _persist_staged(self) -> None:
+        """The ranks are gone: make durable what they staged but did not write (a rank
+        killed mid-write, a preempted job, saves staged only), then free the memory."""
+        written = staging.flush(self.staging_dir)
+        if written:
+            steps = sorted({step for _, step in written})
+            self.events.emit("checkpoint_persisted", f"persisted {len(written)} staged "
+                             f"checkpoint shard(s) the ranks left, steps {steps}",
+                             shards=[list(w) for w in written])
+        shutil.rmtree(self.staging_dir, ignore_errors=True)
+
     def _warm_up(self) -> None:
         """Off the training path: refill the warm pool, and prepare the next attempt's store."""
         if self.pool is not None:
@@ -421,7 +434,8 @@ class Agent:
     def _rank_env(self, rank_dir: Path) -> dict[str, str]:
         """ftlaunch's own variables for a rank: the hub, where its stacks go on a hang."""
         return {HUB_ENV: self.hub.endpoint, STACKS_FILE_ENV: str(rank_dir / "stacks.txt"),
-                STACK_SIGNAL_ENV: str(int(stacks.STACK_SIGNAL))}
+                STACK_SIGNAL_ENV: str(int(stacks.STACK_SIGNAL)),
+                staging.STAGING_ENV: str(self.staging_dir)}
 
     def _sync_poller(self) -> None:
         """Poll exactly the live ranks' pidfds and output pipes, and warming pool processes."""
@@ -450,6 +464,7 @@ class Agent:
         self._previous_handlers = {sig: signal.signal(sig, lambda *_: None)
                                    for sig in self.config.signals()}
         self.hub = RankHub(self.context)
+        self.staging_dir = staging.create_dir()  # checkpoint staging that outlives ranks
         self.workers = WorkerGroup(self.program, self.output, self.guard, self._rank_env)
         self.pool = None if self.config.no_warm_pool or self.config.no_python else WarmPool(
             self.config.preload_modules(), lambda _slot: pre_import_env(self.local_world_size),
@@ -462,6 +477,7 @@ class Agent:
 
     def _close(self) -> None:
         self._stop_ranks(self.config.stop_timeout)
+        self._persist_staged()
         if self.pool is not None:
             self.pool.close()
         if self.spare_store is not None:

@@ -69,7 +69,7 @@ LOCAL_SCHEMA: dict[str, dict[str, Any]] = {
     "hello": {"pid": _INT, "stacks": _bool},  # from the shim's command socket
     "restartable": {"pid": _INT},  # the rank runs inside trainer_shim.restartable
     "beat": {"pid": _INT, "step": _INT},
-    "tick": {"pid": _INT},
+    "tick": {"pid": _INT, "sent": _FLOAT},  # time.monotonic() when sent (one clock per host)
     "learned": {"pid": _INT, "interval": _FLOAT},  # longest heartbeat interval, restored  # from the shim's own thread: the process runs, whatever training does
     "section": {"pid": _INT, "name": _STR, "open": _bool},
     "parked": {"pid": _INT, "error": _STR},

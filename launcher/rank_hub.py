@@ -88,7 +88,9 @@ class RankHub:
             elif msg.type == "learned":
                 link.activity.restore(msg["interval"])
             elif msg.type == "tick":
-                link.activity.last_tick = now
+                # When it was sent, not read: ticks queued while the agent was starved of
+                # CPU must not make a frozen rank look alive.
+                link.activity.last_tick = min(now, msg["sent"])
             elif msg.type == "beat":
                 link.activity.beat(now, msg["step"])
                 self.best_step = max(self.best_step, msg["step"])

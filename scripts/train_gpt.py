@@ -166,6 +166,10 @@ def parse_args():
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default: none)")
     p.add_argument("--ckpt-every", type=int, default=20)
+    p.add_argument("--async-ckpt", action="store_true",
+                   help="checkpoint with trainer_shim's AsyncCheckpointer (every rank its own)")
+    p.add_argument("--persist-every", type=int, default=1,
+                   help="with --async-ckpt: persist steps that are multiples of this, stage all")
     p.add_argument("--step-time", type=float, default=0.0, help="extra sleep per step (s)")
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--out", default=None, help="rank 0 writes a JSON summary here")
@@ -189,20 +193,33 @@ def train(ctx, args, shim):
     torch.manual_seed(args.seed)
     model = TinyGPT()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
-    start = 0
+    start, source = 0, "nothing"
     ckpt_path = os.path.join(args.ckpt_dir, "ckpt.pt") if args.ckpt_dir else None
-    if ckpt_path and os.path.exists(ckpt_path):
+    checkpointer = None
+    if args.async_ckpt and args.ckpt_dir:
+        from trainer_shim.checkpoint import AsyncCheckpointer
+
+        checkpointer = AsyncCheckpointer(args.ckpt_dir, persist_every=args.persist_every)
+        extra = {}
+        start = checkpointer.load_latest(model=model, optim=opt, extra=extra)
+        source = checkpointer.restored_from
+        if start:
+            torch.set_rng_state(extra["rng"])
+            if shim:
+                shim.load_state_dict(extra["shim"])
+        ckpt_path = None
+    elif ckpt_path and os.path.exists(ckpt_path):
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optim"])
         torch.set_rng_state(ckpt["rng"])
-        start = int(ckpt["step"])
+        start, source = int(ckpt["step"]), "storage"
         if shim and "shim" in ckpt:
             shim.load_state_dict(ckpt["shim"])  # the learned pace, for hang timeouts
     if ckpt_path and rank == 0:
         os.makedirs(args.ckpt_dir, exist_ok=True)
     ddp = DDP(model) if distributed else model
-    log(f"start rank {rank} world {world} pid {os.getpid()} resume_from {start}")
+    log(f"start rank {rank} world {world} pid {os.getpid()} resume_from {start} ({source})")
 
     loss_val, t0 = None, time.perf_counter()
     for step in range(start + 1, args.steps + 1):  # `step` = number of steps done after it
@@ -216,6 +233,9 @@ def train(ctx, args, shim):
         if step % args.log_every == 0:
             log(f"step {step} loss {loss_val:.4f} rank {rank}")
         heartbeat(step)
+        if checkpointer and step % args.ckpt_every == 0:
+            checkpointer.save(step, model=model, optim=opt, extra={
+                "rng": torch.get_rng_state(), "shim": shim.state_dict() if shim else {}})
         if ckpt_path and step % args.ckpt_every == 0:
             if rank == 0:
                 state = {
@@ -231,6 +251,8 @@ def train(ctx, args, shim):
                 dist.barrier()
         if args.step_time > 0:
             time.sleep(args.step_time)
+    if checkpointer:
+        checkpointer.close()  # everything saved is durable before we report done
     n = args.steps - start
     if n > 0 and rank == 0:
         log(f"time per step {1000 * (time.perf_counter() - t0) / n:.2f} ms")

@@ -103,7 +103,7 @@ def test_a_flipped_byte_is_detected_and_the_previous_step_used(tmp_path, caplog)
     data[17] ^= 0x01
     shard.write_bytes(bytes(data))
     restored: dict = {}
-    assert ckpt.load_latest(state=restored) == 1
+    assert AsyncCheckpointer(tmp_path).load_latest(state=restored) == 1  # a new process
     assert restored["x"].tolist() == [1.0] * 64
     assert "fails its checksum" in caplog.text
     ckpt.close()
@@ -175,3 +175,167 @@ def test_kill9_at_random_instants_never_tears_the_latest_checkpoint(tmp_path):
         assert not [n for n in os.listdir("/dev/shm") if n.startswith("ftlaunch-stage")], \
             "staging memory leaked"
     assert last > 0
+
+
+# --- agent-owned staging: survives the rank, restores in place, persisted by the agent ----------
+
+
+def test_a_replacement_restores_from_staging_without_touching_storage(tmp_path):
+    """A rank's staged copy outlives its process: the next process of that rank restores
+    from it (storage never had it), then makes it durable."""
+    staging_dir = tmp_path / "shm"
+    staging_dir.mkdir()
+    model, opt = _model_and_optimizer()
+    first = AsyncCheckpointer(tmp_path / "ckpt", staging_dir=str(staging_dir), persist_every=100)
+    first.save(7, model=model, optim=opt)  # staged only: 7 is not a multiple of 100
+    first.wait()
+    assert first.committed_steps() == []
+    del first  # the process dies; its staging files stay
+
+    replacement = AsyncCheckpointer(tmp_path / "ckpt", staging_dir=str(staging_dir))
+    model2, opt2 = _model_and_optimizer(seed=1)
+    assert replacement.load_latest(model=model2, optim=opt2) == 7
+    assert replacement.restored_from == "shared memory"
+    assert _same(model.state_dict(), model2.state_dict())
+    assert _same(opt.state_dict(), opt2.state_dict())
+    replacement.save(8, model=model2, optim=opt2)  # must not overwrite 7 while it persists
+    replacement.wait()
+    assert replacement.committed_steps() == [7, 8], "the restored step was made durable"
+    assert AsyncCheckpointer(tmp_path / "ckpt").load_latest(model=model2, optim=opt2) == 8
+    replacement.close()
+
+
+def test_the_agent_persists_what_dead_ranks_staged(tmp_path):
+    from trainer_shim import staging
+
+    staging_dir = tmp_path / "shm"
+    staging_dir.mkdir()
+    for rank in (0, 1):
+        c = AsyncCheckpointer(tmp_path / "ckpt", rank=rank, world_size=2,
+                              staging_dir=str(staging_dir), persist_every=1000)
+        for step in (10, 20):
+            c.save(step, state={"x": torch.full((100,), float(step + rank))})
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").iterdir())
+    assert sorted(staging.flush(staging_dir)) == [(0, 10), (0, 20), (1, 10), (1, 20)]
+    assert staging.flush(staging_dir) == [], "already durable: nothing written twice"
+    loaded = [{}, {}]
+    for rank in (0, 1):
+        c = AsyncCheckpointer(tmp_path / "ckpt", rank=rank, world_size=2)
+        assert c.committed_steps() == [10, 20]
+        assert c.load_latest(state=loaded[rank]) == 20
+        assert loaded[rank]["x"][0] == 20 + rank
+
+
+def test_full_staging_memory_is_a_clear_error_and_training_goes_on(tmp_path):
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        ckpt = AsyncCheckpointer(tmp_path / "ckpt", staging_dir=str(mount))
+        with pytest.raises(CheckpointError, match=r"enlarge /dev/shm.*--shm-size"):
+            ckpt.save(1, state={"x": torch.ones(1 << 20)})  # 4 MiB into 1 MiB
+        ckpt.save(2, state={"x": torch.ones(1000)})
+        ckpt.wait()
+        assert ckpt.committed_steps() == [2]
+        ckpt.close()
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_keep_every_mth_step_beside_the_last_k(tmp_path):
+    ckpt = AsyncCheckpointer(tmp_path, keep_last=2, keep_every=4)
+    for step in range(1, 10):
+        ckpt.save(step, state={"x": torch.zeros(4)})
+    ckpt.wait()
+    assert ckpt.committed_steps() == [4, 8, 9]
+    ckpt.close()
+
+
+def test_staging_left_by_a_killed_agent_is_swept(tmp_path):
+    from trainer_shim import staging
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = os.path.join("/dev/shm", f"ftlaunch-staging-{dead.pid}-test")
+    os.makedirs(stale)
+    (open(os.path.join(stale, "rank_0.0.data"), "wb")).close()
+    mine = staging.create_dir()
+    try:
+        assert not os.path.exists(stale)
+        assert mine.is_dir() and oct(mine.stat().st_mode & 0o777) == "0o700"
+    finally:
+        os.rmdir(mine)
+
+
+AGREE = textwrap.dedent("""
+    import json, os, sys, torch, torch.distributed as dist
+    from trainer_shim.checkpoint import AsyncCheckpointer
+    rank, phase, root, port = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    ckpt = AsyncCheckpointer(os.path.join(root, "ckpt"), rank=rank, world_size=2,
+                             staging_dir=os.path.join(root, f"shm{rank}"), persist_every=2)
+    if phase == "save":
+        for step in (2, 4, 5):  # 5 is staged only
+            ckpt.save(step, state={"x": torch.full((10,), float(step * 10 + rank))})
+        ckpt.wait()
+    else:
+        state = {}
+        step = ckpt.load_latest(state=state)
+        print(json.dumps({"step": step, "x": state["x"][0].item() if state else None,
+                          "source": ckpt.restored_from}))
+    dist.destroy_process_group()
+""")
+
+
+def _two_ranks(phase, root):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-c", AGREE, str(r), phase, str(root), str(port)],
+                              env=env, stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    import json
+
+    return [json.loads(o.strip().splitlines()[-1]) if o.strip() else None for o in outs]
+
+
+def test_ranks_agree_on_the_newest_step_every_rank_holds(tmp_path):
+    """Staged on every node -> restored from shared memory (and then made durable); one
+    rank's staging gone -> the newest step both hold; a shard damaged -> an older one, for
+    every rank alike although only one rank's shard is bad."""
+    import shutil
+
+    for r in (0, 1):
+        (tmp_path / f"shm{r}").mkdir()
+    _two_ranks("save", tmp_path)
+    both = _two_ranks("load", tmp_path)
+    assert [(b["step"], b["x"], b["source"]) for b in both] == [
+        (5, 50.0, "shared memory"), (5, 51.0, "shared memory")]
+
+    shutil.rmtree(tmp_path / "shm1")  # rank 1 now runs on another node
+    (tmp_path / "shm1").mkdir()
+    both = _two_ranks("load", tmp_path)
+    assert [(b["step"], b["x"], b["source"]) for b in both] == [
+        (5, 50.0, "shared memory"), (5, 51.0, "storage")], "step 5 was persisted on restore"
+
+    shutil.rmtree(tmp_path / "ckpt" / "step_000000005")
+    shutil.rmtree(tmp_path / "shm1")
+    (tmp_path / "shm1").mkdir()
+    both = _two_ranks("load", tmp_path)
+    assert [(b["step"], b["x"]) for b in both] == [(4, 40.0), (4, 41.0)], \
+        "rank 0 still holds 5, rank 1 does not: both take 4"
+
+    shard = tmp_path / "ckpt" / "step_000000004" / "rank_1.bin"
+    shard.write_bytes(b"\xff" + shard.read_bytes()[1:])
+    shutil.rmtree(tmp_path / "shm0")
+    (tmp_path / "shm0").mkdir()
+    both = _two_ranks("load", tmp_path)
+    assert [(b["step"], b["x"]) for b in both] == [(2, 20.0), (2, 21.0)], \
+        "rank 0's shard of step 4 is fine, but rank 1's is not: both fall back"

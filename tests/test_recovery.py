@@ -8,6 +8,7 @@ weights of a fault-free run.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import subprocess
@@ -48,12 +49,12 @@ def reference(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-def _run(launch, tmp_path, *flags, shim=True, env=None, warm=False):
+def _run(launch, tmp_path, *flags, shim=True, env=None, warm=False, extra=()):
     """Start the job; with ``warm``, the fault waits until the warm pool is ready."""
     out, logs, gate = tmp_path / "result.json", tmp_path / "logs", tmp_path / "gate"
     args = ["--standalone", "--nproc-per-node", str(NPROC), "--log-dir", str(logs), *flags,
             TRAIN, "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY),
-            "--ckpt-dir", str(tmp_path / "ckpt"), "--out", str(out)]
+            "--ckpt-dir", str(tmp_path / "ckpt"), "--out", str(out), *extra]
     if shim:
         args.append("--shim")
     run = launch(*args, env={**(env or {}), **({"TRAIN_FAULT_GATE": str(gate)} if warm else {})})
@@ -246,3 +247,28 @@ def test_rank_policy_across_two_nodes(request, tmp_path, launch, reference):
                 for n in nodes]
     assert all(restarts), both
     assert {(m.group(1), m.group(2)) for m in restarts} == {("resumed", "0"), ("warm", "1")}, both
+
+
+def test_replacement_resumes_from_shared_memory_and_the_agent_persists_on_exit(
+        request, tmp_path, launch, reference):
+    """--async-ckpt with nothing persisted during training (--persist-every 1000): the killed
+    rank's replacement restores from the staging the agent owns, the survivor from its own,
+    both at the last save before the fault, bit-exactly; when the job ends, the agent makes
+    the ranks' last staged steps durable, then frees the staging memory."""
+    rank, step, env = _fault(request, "kill")
+    run, out, logs = _run(launch, tmp_path, env=env, warm=True,
+                          extra=["--async-ckpt", "--persist-every", "1000"])
+    assert run.finish(180) == 0, run.output
+    context = f"fault kill rank {rank} step {step}\n{run.output}"
+    _check_result(out, reference, step, context)
+    expected = (step - 1) // CKPT_EVERY * CKPT_EVERY
+    resumed = re.findall(r"start rank (\d) world \d+ pid \d+ resume_from (\d+) \((.+)\)",
+                         run.output)
+    assert sorted(resumed[NPROC:]) == [(str(r), str(expected), "shared memory")
+                                       for r in range(NPROC)], context
+    persisted = [e for e in _events(logs) if e["event"] == "checkpoint_persisted"]
+    assert persisted and all([r, STEPS] in persisted[0]["shards"] for r in range(NPROC)), context
+    steps = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert steps[-1] == f"step_{STEPS:09d}", context
+    assert not [d for d in os.listdir("/dev/shm")
+                if d.startswith(f"ftlaunch-staging-{run.proc.pid}-")], "staging memory freed"

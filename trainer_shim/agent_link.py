@@ -83,7 +83,6 @@ class AgentLink:
         a collective (this thread still runs) from a frozen one (it does not)."""
         poller = zmq.Poller()
         poller.register(self._commands, zmq.POLLIN)
-        tick = pack_local("tick", pid=self.pid)
         while True:
             if poller.poll(TICK_INTERVAL * 1000):
                 try:
@@ -96,10 +95,11 @@ class AgentLink:
                     with self._abort_lock:
                         if self._in_training:
                             _set_async_exc(self._training_thread, RestartRequested)
-            if time.monotonic() >= self._next_tick:
-                self._next_tick = time.monotonic() + TICK_INTERVAL
+            now = time.monotonic()
+            if now >= self._next_tick:
+                self._next_tick = now + TICK_INTERVAL
                 with contextlib.suppress(zmq.Again):
-                    self._commands.send(tick, zmq.NOBLOCK)
+                    self._commands.send(pack_local("tick", pid=self.pid, sent=now), zmq.NOBLOCK)
 
 
 def _set_async_exc(thread_id: int | None, exc: type[BaseException] | None) -> None:

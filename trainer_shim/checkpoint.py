@@ -1,95 +1,64 @@
 """Asynchronous checkpoints: ``save`` blocks only to copy tensors into staging memory.
 
-A background thread makes the staged copy durable under ``<dir>/step_<N>/``: each rank
-writes ``rank_<r>.bin`` (raw tensor bytes, no pickle) and then ``rank_<r>.meta`` (msgpack:
-the state's structure, each tensor's dtype/shape/offset, a SHA-256 of the bytes), each
-under a temporary name, fsynced, renamed, directory fsynced. A step is *committed* once
-all ranks' metas exist, so a crash at any instant leaves the newest committed step whole;
-``load_latest`` verifies checksums and falls back to an older step when one is damaged.
-
-First slice of issue #5: POSIX paths, staging in process memory-mapped files under
-/dev/shm, double-buffered. Agent-owned staging, S3 and coordinated commits come next.
+Each save is copied into staging (trainer_shim/staging.py: shared memory the agent owns,
+so it survives this process) and then persisted in the background by a writer thread in
+the format of trainer_shim/shards.py, to a directory or an S3 prefix. A step is committed
+once every rank's shard is durable. ``load_latest`` loads the newest step *every* rank
+holds, in staging or committed on storage (the ranks agree through one small collective),
+verifies checksums of what comes from storage and falls back past a damaged step; a
+replacement rank on the same node restores from shared memory without touching storage.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import mmap
 import os
-import re
-import shutil
-import tempfile
 import threading
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import msgpack
 import torch
 
-log = logging.getLogger("trainer_shim.checkpoint")
+from trainer_shim import shards
+from trainer_shim.staging import SLOTS, STAGING_ENV, Slot, StagingFull
+from trainer_shim.storage import open_storage
 
-STEP_DIR = re.compile(r"^step_(\d{9})$")
-FORMAT = 1
+log = logging.getLogger("trainer_shim.checkpoint")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read; the message says which and why."""
 
 
-@dataclass
-class _Staged:
-    """One staging slot: shared memory holding one save's tensor bytes, reused across saves.
-
-    The file is unlinked as soon as it is mapped, so nothing is left in /dev/shm even if
-    the process is killed (agent-owned staging that outlives a crash is the next slice)."""
-
-    directory: str | None
-    buffer: mmap.mmap | None = None
-    size: int = 0
-    busy: threading.Event | None = None  # set once the writer is done with this slot
-
-    def ensure(self, nbytes: int) -> None:
-        if self.buffer is not None and self.size >= nbytes:
-            return
-        if self.buffer is not None:
-            self.buffer.close()
-        with tempfile.TemporaryFile(prefix="ftlaunch-stage-", dir=self.directory) as f:
-            f.truncate(max(nbytes, 1))
-            self.buffer = mmap.mmap(f.fileno(), max(nbytes, 1))
-        self.size = nbytes
-
-    def stage(self, tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
-        """Copy the tensors in, one after another (64-byte aligned, same dtype: a plain
-        vectorised copy); returns where each one went."""
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        self.ensure(sum(_aligned(n) for n in sizes))
-        entries, offset = [], 0
-        for t, size in zip(tensors, sizes, strict=True):
-            if size:
-                target = torch.frombuffer(self.buffer, dtype=t.dtype, count=t.numel(),
-                                          offset=offset)
-                target.copy_(t.detach().reshape(-1))
-            entries.append({"dtype": str(t.dtype).removeprefix("torch."),
-                            "shape": list(t.shape), "offset": offset, "nbytes": size})
-            offset += _aligned(size)
-        return entries
-
-
 class AsyncCheckpointer:
-    def __init__(self, directory: str | os.PathLike, *, rank: int | None = None,
-                 world_size: int | None = None, keep_last: int = 3,
-                 staging_dir: str = "/dev/shm"):
-        self.directory = Path(directory)
+    """Save and restore one rank's state; see the module docstring.
+
+    ``persist_every``: persist only saves whose step is a multiple of it (the others are
+    staged only: a restart on the same node still resumes from them, and the agent persists
+    the newest one if the job ends). ``keep_last`` committed steps are kept, plus every
+    multiple of ``keep_every``.
+    """
+
+    def __init__(self, uri: str | os.PathLike, *, rank: int | None = None,
+                 world_size: int | None = None, keep_last: int = 3, keep_every: int = 0,
+                 persist_every: int = 1, staging_dir: str | None = None):
+        text = os.fspath(uri)
+        self.uri = text if text.startswith("s3://") else os.path.abspath(text)
+        self.storage = open_storage(self.uri)
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-        self.keep_last = keep_last
-        staging = staging_dir if os.path.isdir(staging_dir) else None
-        self._slots = [_Staged(staging), _Staged(staging)]  # double-buffered
-        self._next_slot = 0
+        if persist_every < 1 or keep_last < 0 or keep_every < 0:
+            raise CheckpointError("persist_every must be >= 1, keep_last and keep_every >= 0")
+        self.keep_last, self.keep_every, self.persist_every = keep_last, keep_every, persist_every
+        directory = staging_dir or os.environ.get(STAGING_ENV)
+        self._slots = [Slot(directory, self.rank, k) for k in range(SLOTS)]
+        for slot in self._slots:
+            slot.open_existing()
+        self._busy: list[threading.Event | None] = [None] * SLOTS  # set when persisted
+        staged = self.staged_steps()
+        self._next_slot = staged[max(staged)] ^ 1 if staged else 0
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.restored_from = "nothing"  # by load_latest: "shared memory" or "storage"
 
     # --- saving --------------------------------------------------------------------------
 
@@ -98,18 +67,24 @@ class AsyncCheckpointer:
         self._raise_writer_error()
         tensors: list[torch.Tensor] = []
         tree = _encode({k: _state_of(v) for k, v in state.items()}, tensors)
-        slot = self._slots[self._next_slot]
+        index = self._next_slot
         self._next_slot ^= 1
-        if slot.busy is not None:
-            slot.busy.wait()  # the writer still persists this slot's previous save
-        entries = slot.stage(tensors)
-        nbytes = entries[-1]["offset"] + entries[-1]["nbytes"] if entries else 0
-        slot.busy = threading.Event()
-        previous = self._writer
-        self._writer = threading.Thread(target=self._persist,
-                                        args=(step, tree, entries, nbytes, slot, previous),
-                                        name="ftlaunch-ckpt-writer", daemon=True)
-        self._writer.start()
+        if self._busy[index] is not None:
+            self._busy[index].wait()  # the writer still persists this slot's previous save
+        slot = self._slots[index]
+        slot.invalidate()
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        try:
+            slot.ensure(sum(_aligned(n) for n in sizes))
+        except StagingFull as e:
+            raise CheckpointError(f"step {step} not saved: {e.strerror}") from None
+        entries = _stage(slot.buffer, tensors, sizes)
+        meta = {"step": step, "rank": self.rank, "world_size": self.world_size,
+                "dest": self.uri, "tree": tree, "tensors": entries,
+                "nbytes": entries[-1]["offset"] + entries[-1]["nbytes"] if entries else 0}
+        slot.seal(meta)  # from here on the copy survives this process
+        if step % self.persist_every == 0:
+            self._persist_in_background(index, meta)
 
     def wait(self) -> None:
         """Block until every save so far is durable; raises the writer's error if any."""
@@ -120,116 +95,162 @@ class AsyncCheckpointer:
     def close(self) -> None:
         self.wait()
         for slot in self._slots:
-            if slot.buffer is not None:
-                slot.buffer.close()
-                slot.buffer = None
+            slot.close()
 
-    def _persist(self, step, tree, entries, nbytes, slot, previous) -> None:
+    def _persist_in_background(self, index: int, meta: dict[str, Any]) -> None:
+        self._busy[index] = busy = threading.Event()
+        previous = self._writer
+        self._writer = threading.Thread(target=self._persist, args=(index, meta, busy, previous),
+                                        name="ftlaunch-ckpt-writer", daemon=True)
+        self._writer.start()
+
+    def _persist(self, index, meta, busy, previous) -> None:
         try:
             if previous is not None:
                 previous.join()  # steps become durable in order
-            step_dir = self.directory / f"step_{step:09d}"
-            step_dir.mkdir(parents=True, exist_ok=True)
-            data = memoryview(slot.buffer)[:nbytes]
-            digest = _Digest(data)  # hash and write at once: both release the GIL
+            view = memoryview(self._slots[index].buffer)[:meta["nbytes"]]
             try:
-                _write_atomic(step_dir / f"rank_{self.rank}.bin", data)
+                shards.persist(self.storage, meta, view)
             finally:
-                sha256 = digest.result()
-                data.release()
-            meta = {"format": FORMAT, "step": step, "rank": self.rank,
-                    "world_size": self.world_size, "tree": tree, "tensors": entries,
-                    "nbytes": nbytes, "sha256": sha256}
-            _write_atomic(step_dir / f"rank_{self.rank}.meta", msgpack.packb(meta))
-            _fsync_dir(step_dir)
-            _fsync_dir(self.directory)
+                view.release()
             if self.rank == 0:
-                self._retire_old_steps()
+                shards.retire(self.storage, self.world_size, self.keep_last, self.keep_every)
         except BaseException as e:  # surfaced by the next save() or wait()
             self._error = e
         finally:
-            slot.busy.set()
-
-    def _retire_old_steps(self) -> None:
-        committed = self.committed_steps()
-        for step in committed[:-self.keep_last] if self.keep_last > 0 else []:
-            shutil.rmtree(self.directory / f"step_{step:09d}", ignore_errors=True)
+            busy.set()
 
     def _raise_writer_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            raise CheckpointError(f"saving a checkpoint to {self.directory} failed: {error}; "
+            raise CheckpointError(f"saving a checkpoint to {self.uri} failed: {error}; "
                                   "training went on, the previous committed step stands") \
                 from error
 
     # --- loading -------------------------------------------------------------------------
 
     def committed_steps(self) -> list[int]:
-        """Steps whose every rank's metadata is durable, oldest first."""
-        if not self.directory.is_dir():
-            return []
-        steps = []
-        for entry in self.directory.iterdir():
-            m = STEP_DIR.match(entry.name)
-            if m and all((entry / f"rank_{r}.meta").exists() for r in range(self.world_size)):
-                steps.append(int(m.group(1)))
-        return sorted(steps)
+        """Steps whose every rank's shard is durable, oldest first."""
+        try:
+            return shards.committed_steps(self.storage, self.world_size)
+        except OSError as e:
+            raise CheckpointError(f"cannot list checkpoints in {self.uri}: {e}") from None
+
+    def staged_steps(self) -> dict[int, int]:
+        """Steps this rank holds whole in staging (a previous process's too) -> slot."""
+        held = {}
+        for index, slot in enumerate(self._slots):
+            meta = slot.meta()
+            if (meta and meta.get("dest") == self.uri and meta.get("rank") == self.rank
+                    and meta.get("world_size") == self.world_size and slot.buffer is not None):
+                held[meta["step"]] = index
+        return held
 
     def latest_step(self) -> int | None:
         steps = self.committed_steps()
         return steps[-1] if steps else None
 
     def load_latest(self, **state: Any) -> int:
-        """Load the newest intact committed step into ``state``'s objects; returns the step
-        (0 when there is none). Every rank's shard is verified, so all ranks agree."""
-        for step in reversed(self.committed_steps()):
+        """Load the newest step every rank holds into ``state``'s objects; returns the step
+        (0 when there is none). With torch.distributed initialized the ranks agree on it
+        and each verifies its own shard; without, every rank verifies every shard."""
+        staged = self.staged_steps()
+        group = _group(self.world_size)
+        candidates = set(self.committed_steps())
+        if group or self.world_size == 1:
+            candidates |= set(staged)  # only agreement makes a staged-only step safe
+        while True:
+            step = _agree(candidates) if group else max(candidates, default=None)
+            if step is None:
+                return 0
             try:
-                loaded = self._read(step)
+                loaded = self._read(step, staged.get(step), verify_all=not group)
             except CheckpointError as e:
-                log.warning("%s; falling back to the previous committed step", e)
+                log.warning("%s; falling back to the previous step", e)
+                loaded = None
+            if group and not _all(loaded is not None):
+                loaded = None  # some rank could not load it: nobody does
+            if loaded is None:
+                candidates = {s for s in candidates if s < step}
                 continue
             for name, target in state.items():
                 _restore(target, loaded[name])
+            self.restored_from = "shared memory" if step in staged else "storage"
+            if step in staged:
+                self._next_slot = staged[step] ^ 1  # keep it until the next save is staged
+                if not self.storage.exists(shards.meta_name(step, self.rank)):
+                    self._persist_in_background(staged[step], self._slots[staged[step]].meta())
             return step
-        return 0
 
-    def _read(self, step: int) -> dict[str, Any]:
-        step_dir = self.directory / f"step_{step:09d}"
-        mine = None
-        for r in range(self.world_size):
-            try:
-                meta = msgpack.unpackb((step_dir / f"rank_{r}.meta").read_bytes(),
-                                       raw=False, strict_map_key=False)
-                data = (step_dir / f"rank_{r}.bin").read_bytes()
-            except (OSError, ValueError) as e:
-                raise CheckpointError(f"step {step}: rank {r}'s shard unreadable: {e}") from None
-            if len(data) != meta.get("nbytes") or hashlib.sha256(data).hexdigest() != meta.get(
-                    "sha256"):
-                raise CheckpointError(f"step {step}: rank {r}'s shard fails its checksum")
-            if r == self.rank:
-                mine = (meta, data)
-        meta, data = mine
-        tensors = [_tensor(data, e) for e in meta["tensors"]]
-        return _decode(meta["tree"], tensors)
+    def _read(self, step: int, slot: int | None, verify_all: bool) -> dict[str, Any]:
+        if slot is not None:  # staged on this node: no storage read, no checksum needed
+            meta, buffer = self._slots[slot].meta(), self._slots[slot].buffer
+            tensors = [_tensor(buffer, e).clone() for e in meta["tensors"]]
+            log.info("rank %d restored step %d from shared memory", self.rank, step)
+            return _decode(meta["tree"], tensors)
+        try:
+            for r in range(self.world_size) if verify_all else ():
+                if r != self.rank:
+                    shards.read(self.storage, step, r)
+            meta, data = shards.read(self.storage, step, self.rank)
+        except shards.ShardError as e:
+            raise CheckpointError(str(e)) from None
+        return _decode(meta["tree"], [_tensor(data, e) for e in meta["tensors"]])
 
 
-class _Digest(threading.Thread):
-    """SHA-256 of a buffer, computed beside the write."""
+def _stage(buffer, tensors: list[torch.Tensor], sizes: list[int]) -> list[dict[str, Any]]:
+    """Copy the tensors in, one after another (64-byte aligned, same dtype: a plain
+    vectorised copy); returns where each one went."""
+    entries, offset = [], 0
+    for t, size in zip(tensors, sizes, strict=True):
+        if size:
+            target = torch.frombuffer(buffer, dtype=t.dtype, count=t.numel(), offset=offset)
+            target.copy_(t.detach().reshape(-1))
+        entries.append({"dtype": str(t.dtype).removeprefix("torch."),
+                        "shape": list(t.shape), "offset": offset, "nbytes": size})
+        offset += _aligned(size)
+    return entries
 
-    def __init__(self, data: memoryview):
-        super().__init__(name="ftlaunch-ckpt-hash", daemon=True)
-        self._data, self._hex = data, ""
-        self.start()
 
-    def run(self) -> None:
-        h = hashlib.sha256()
-        for i in range(0, len(self._data), 64 << 20):
-            h.update(self._data[i:i + (64 << 20)])
-        self._hex = h.hexdigest()
+def _tensor(buffer, entry: dict) -> torch.Tensor:
+    """A view of one tensor's bytes (the caller owns or clones the buffer)."""
+    dtype = getattr(torch, entry["dtype"])
+    if not entry["nbytes"]:
+        return torch.empty(entry["shape"], dtype=dtype)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8, count=entry["nbytes"],
+                           offset=entry["offset"])
+    return raw.view(dtype).reshape(entry["shape"])
 
-    def result(self) -> str:
-        self.join()
-        return self._hex
+
+def _group(world_size: int) -> bool:
+    """Whether the ranks can agree through torch.distributed (initialized, same world)."""
+    dist = torch.distributed
+    return (world_size > 1 and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() == world_size)
+
+
+def _all_reduce_min(value: int) -> int:
+    dist = torch.distributed
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if "nccl" in str(dist.get_backend()) else torch.device("cpu"))
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _all(flag: bool) -> bool:
+    return _all_reduce_min(int(flag)) == 1
+
+
+def _agree(candidates: set[int]) -> int | None:
+    """The newest step in every rank's ``candidates`` (collective; None if there is none)."""
+    while True:
+        step = _all_reduce_min(max(candidates, default=-1))
+        if step < 0:
+            return None
+        if _all(step in candidates):
+            return step
+        candidates = {s for s in candidates if s < step}  # someone lacks it, and all newer
 
 
 def _aligned(n: int) -> int:
@@ -270,13 +291,6 @@ def _decode(value: Any, tensors: list[torch.Tensor]) -> Any:
     return value
 
 
-def _tensor(data: bytes, entry: dict) -> torch.Tensor:
-    dtype = getattr(torch, entry["dtype"])
-    raw = torch.frombuffer(bytearray(data[entry["offset"]:entry["offset"] + entry["nbytes"]]),
-                           dtype=torch.uint8) if entry["nbytes"] else torch.empty(0, dtype=torch.uint8)
-    return raw.view(dtype).reshape(entry["shape"])
-
-
 def _restore(target: Any, value: Any) -> None:
     if hasattr(target, "load_state_dict"):
         target.load_state_dict(value)
@@ -286,25 +300,3 @@ def _restore(target: Any, value: Any) -> None:
     else:
         raise CheckpointError(f"cannot load into a {type(target).__name__}: pass an object with "
                               "load_state_dict() or a dict")
-
-
-def _write_atomic(path: Path, data) -> None:
-    """Temporary name, fsync, rename: the final name only ever holds whole contents."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -1,0 +1,198 @@
+"""Staging memory: where ``save`` copies tensors before they are persisted. Torch-free.
+
+Under an agent, staging lives in a directory the agent owns (``FTLAUNCH_STAGING``, in
+/dev/shm): two slots per global rank, ``rank_<r>.<k>.data`` (the tensor bytes) and
+``rank_<r>.<k>.meta`` (what the bytes are: step, structure, destination). A slot's meta is
+removed before its data is overwritten and written (atomically) once the copy is whole, so
+a meta always describes complete data. The files outlive the rank: a replacement on the
+same node restores from them in milliseconds, and the agent persists what a dead rank
+staged but never wrote (``flush``). The agent deletes the directory when it exits.
+
+Without an agent the slots are anonymous (unlinked at once): nothing can leak.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from trainer_shim import shards
+from trainer_shim.storage import open_storage
+
+log = logging.getLogger("trainer_shim.staging")
+
+STAGING_ENV = "FTLAUNCH_STAGING"
+SLOTS = 2  # double-buffered: a new save never overwrites the copy being persisted
+
+
+class StagingFull(OSError):
+    """The staging file system cannot hold the copy."""
+
+
+class Slot:
+    """One reusable staging buffer (and, when named, its meta beside it)."""
+
+    def __init__(self, directory: str | None, rank: int, index: int):
+        self.index = index
+        self._named = directory is not None
+        self._data_path = Path(directory or ".", f"rank_{rank}.{index}.data")
+        self.meta_path = self._data_path.with_suffix(".meta")
+        self._anonymous_dir = None if self._named else _shm_or_none()
+        self.buffer: mmap.mmap | None = None
+        self._fd = -1
+        self._anonymous_meta: dict[str, Any] | None = None
+
+    def ensure(self, nbytes: int) -> None:
+        """Map at least ``nbytes``; the space is reserved up front (posix_fallocate), so a
+        full /dev/shm is a clear error here, never a SIGBUS in the middle of a copy."""
+        nbytes = max(nbytes, 1)
+        if self._fd < 0:
+            if self._named:
+                self._fd = os.open(self._data_path, os.O_RDWR | os.O_CREAT, 0o600)
+            else:
+                with tempfile.TemporaryFile(prefix="ftlaunch-stage-", dir=self._anonymous_dir) as f:
+                    self._fd = os.dup(f.fileno())  # unlinked already: gone with the process
+        size = os.fstat(self._fd).st_size
+        if self.buffer is not None and len(self.buffer) >= nbytes:
+            return
+        if size < nbytes:
+            self.close_buffer()
+            try:
+                os.posix_fallocate(self._fd, 0, nbytes)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    free = _free_bytes(self._fd)
+                    raise StagingFull(e.errno, f"staging a checkpoint needs {_gib(nbytes)} more "
+                                      f"in {self._data_path.parent if self._named else self._anonymous_dir}"
+                                      f" but {_gib(free)} is free: enlarge /dev/shm (docker "
+                                      "--shm-size, a Kubernetes emptyDir with medium Memory) or "
+                                      "save less state per rank") from None
+                raise
+            size = nbytes
+        self.close_buffer()
+        self.buffer = mmap.mmap(self._fd, size)
+
+    def meta(self) -> dict[str, Any] | None:
+        """What this slot holds, if it holds a whole save (named slots only)."""
+        if not self._named:
+            return self._anonymous_meta
+        try:
+            return msgpack.unpackb(self.meta_path.read_bytes(), raw=False, strict_map_key=False)
+        except (OSError, ValueError):
+            return None
+
+    def invalidate(self) -> None:
+        """About to be overwritten: from now on it holds nothing."""
+        self._anonymous_meta = None
+        if self._named:
+            self.meta_path.unlink(missing_ok=True)
+
+    def seal(self, meta: dict[str, Any]) -> None:
+        """The copy is whole: record what it is."""
+        self._anonymous_meta = meta
+        if self._named:
+            tmp = self.meta_path.with_name(self.meta_path.name + ".tmp")
+            tmp.write_bytes(msgpack.packb(meta))
+            os.replace(tmp, self.meta_path)
+
+    def open_existing(self) -> bool:
+        """Map a slot a previous process of this rank left (a replacement restoring)."""
+        if not self._named or not self._data_path.exists():
+            return False
+        self._fd = os.open(self._data_path, os.O_RDWR)
+        size = os.fstat(self._fd).st_size
+        if size:
+            self.buffer = mmap.mmap(self._fd, size)
+        return True
+
+    def close_buffer(self) -> None:
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
+
+    def close(self) -> None:
+        self.close_buffer()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def create_dir() -> Path:
+    """The agent's staging directory (0700), in /dev/shm when there is one."""
+    sweep_stale()
+    root = _shm_or_none() or tempfile.gettempdir()
+    return Path(tempfile.mkdtemp(prefix=f"ftlaunch-staging-{os.getpid()}-", dir=root))
+
+
+def sweep_stale() -> None:
+    """Remove staging left by agents that were SIGKILLed (their pid is gone)."""
+    root = _shm_or_none()
+    if root is None:
+        return
+    for entry in Path(root).glob("ftlaunch-staging-*-*"):
+        try:
+            pid = int(entry.name.split("-")[2])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not _alive(pid) and entry.stat().st_uid == os.getuid():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def flush(directory: str | Path) -> list[tuple[int, int]]:
+    """Persist every staged save that is not durable yet (oldest first); returns the
+    (rank, step) written. The agent calls it once its ranks are gone, so a step a dead or
+    preempted rank staged but never wrote is not lost."""
+    pending = []
+    for meta_path in Path(directory).glob("rank_*.*.meta"):
+        try:
+            meta = msgpack.unpackb(meta_path.read_bytes(), raw=False, strict_map_key=False)
+            pending.append((meta["step"], meta["rank"], meta, meta_path.with_suffix(".data")))
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("staged checkpoint %s unreadable: %s", meta_path, e)
+    written = []
+    for step, rank, meta, data_path in sorted(pending, key=lambda p: (p[0], p[1])):
+        try:
+            storage = open_storage(meta["dest"])
+            if storage.exists(shards.meta_name(step, rank)):
+                continue
+            with open(data_path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+                view = memoryview(m)[:meta["nbytes"]]
+                try:
+                    shards.persist(storage, meta, view)
+                finally:
+                    view.release()
+            written.append((rank, step))
+        except (OSError, ValueError) as e:
+            log.warning("could not persist rank %d's staged step %d: %s", rank, step, e)
+    return written
+
+
+def _shm_or_none() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _free_bytes(fd: int) -> int:
+    st = os.fstatvfs(fd)
+    return st.f_bavail * st.f_frsize
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
