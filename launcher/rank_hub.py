@@ -113,21 +113,23 @@ class RankHub:
     def hung(self, now: float, timeouts: HangTimeouts) -> list[tuple[int, str]]:
         """(pid, reason) of the hung ranks (of those using the shim, not parked).
 
-        When some of them are frozen, only those: the others are most likely blocked in a
-        collective on them, and will be released when the frozen ones are killed."""
+        A frozen rank (not even the shim's thread runs) is the culprit: the others are most
+        likely blocked in a collective on it, and are released when it is killed. A peer
+        blocked on it may cross the timeout first (its last heartbeat was throttled away),
+        so while any rank is frozen only frozen ranks are ever blamed."""
         watched = {pid: link.activity for pid, link in self.links.items()
                    if link.identity is not None and not link.parked}
-        hung = [(pid, reason) for pid, activity in watched.items()
-                if (reason := hang_reason(activity, timeouts, now)) is not None]
-        frozen = [(pid, reason + " (frozen)") for pid, reason in hung
-                  if watched[pid].frozen(now)]
-        if frozen or not hung:
-            return frozen
-        # Asleep, not frozen: it looks just like the peers blocked on it, which fell silent
-        # at the same moment (give or take the heartbeat throttle): take them all at once.
+        if not any(hang_reason(a, timeouts, now) for a in watched.values()):
+            return []
+        # Asleep rather than frozen, the culprit looks just like the peers blocked on it,
+        # which fell silent at the same moment (give or take the heartbeat throttle).
         later = now + SAME_MOMENT
-        return [(pid, reason) for pid, activity in watched.items()
+        hung = [(pid, reason) for pid, activity in watched.items()
                 if (reason := hang_reason(activity, timeouts, later)) is not None]
+        frozen = {pid for pid, activity in watched.items() if activity.frozen(now)}
+        if frozen:
+            return [(pid, reason + " (frozen)") for pid, reason in hung if pid in frozen]
+        return hung
 
     def reset_steps(self) -> None:
         self.best_step = -1

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["AsyncCheckpointer", "CheckpointError", "RestartContext", "RestartRequested",
+__all__ = ["AsyncCheckpointer", "CheckpointError", "DistributedState", "RestartContext", "RestartRequested",
            "heartbeat", "is_managed",
            "load_state_dict", "restartable", "section", "state_dict"]
 
@@ -171,7 +171,7 @@ def _release_process_group() -> None:
 
 def __getattr__(name: str):
     """``ft.AsyncCheckpointer`` without importing torch when the shim itself is imported."""
-    if name in ("AsyncCheckpointer", "CheckpointError"):
+    if name in ("AsyncCheckpointer", "CheckpointError", "DistributedState"):
         from trainer_shim import checkpoint
 
         return getattr(checkpoint, name)

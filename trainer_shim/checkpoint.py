@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -262,12 +264,55 @@ def _aligned(n: int) -> int:
 _PLAIN = (int, float, bool, str, bytes, type(None))
 
 
+class DistributedState:
+    """A model (and optimizer) as torch.distributed.checkpoint sees them: with FSDP their
+    state is DTensor shards, and each rank saves and restores its own shard (same world
+    size and sharding to restore). Pass it like a module: ``save(step, train=DistributedState(
+    model, optimizer))``."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint import state_dict as dcp
+
+        if self.optimizer is None:
+            return {"model": dcp.get_model_state_dict(self.model)}
+        model, optim = dcp.get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint import state_dict as dcp
+
+        if self.optimizer is None:
+            dcp.set_model_state_dict(self.model, state["model"])
+        else:
+            dcp.set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                               optim_state_dict=state["optim"])
+
+
+@dataclass
+class _Shard:
+    """This rank's part of a DTensor, until it is matched with the target's layout."""
+
+    local: torch.Tensor
+
+
+def _dtensor_type() -> type | None:
+    """DTensor, if anything imported it (otherwise no state can hold one)."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
 def _state_of(value: Any) -> Any:
     return value.state_dict() if hasattr(value, "state_dict") else value
 
 
 def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(value, dtensor):
+            tensors.append(value.to_local())
+            return {"__t__": len(tensors) - 1, "shard": True}
         tensors.append(value)
         return {"__t__": len(tensors) - 1}
     if isinstance(value, dict):
@@ -283,7 +328,8 @@ def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
 def _decode(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, dict):
         if "__t__" in value:
-            return tensors[value["__t__"]]
+            t = tensors[value["__t__"]]
+            return _Shard(t) if value.get("shard") else t
         if "__d__" in value:
             return {_decode(k, tensors): _decode(v, tensors) for k, v in value["__d__"]}
         items = [_decode(v, tensors) for v in value["__l__"]]
@@ -291,12 +337,32 @@ def _decode(value: Any, tensors: list[torch.Tensor]) -> Any:
     return value
 
 
+def _with_layout(value: Any, current: Any) -> Any:
+    """Shards become DTensors laid out like the target's current state (plain tensors where
+    the target has none)."""
+    if isinstance(value, _Shard):
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(current, dtensor):
+            return dtensor.from_local(value.local.to(current.device), current.device_mesh,
+                                      current.placements, run_check=False,
+                                      shape=current.shape, stride=current.stride())
+        return value.local
+    if isinstance(value, dict):
+        current = current if isinstance(current, dict) else {}
+        return {k: _with_layout(v, current.get(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        same = isinstance(current, (list, tuple)) and len(current) == len(value)
+        items = [_with_layout(v, current[i] if same else None) for i, v in enumerate(value)]
+        return tuple(items) if isinstance(value, tuple) else items
+    return value
+
+
 def _restore(target: Any, value: Any) -> None:
     if hasattr(target, "load_state_dict"):
-        target.load_state_dict(value)
+        target.load_state_dict(_with_layout(value, target.state_dict()))
     elif isinstance(target, dict):
         target.clear()
-        target.update(value)
+        target.update(_with_layout(value, None))
     else:
         raise CheckpointError(f"cannot load into a {type(target).__name__}: pass an object with "
                               "load_state_dict() or a dict")

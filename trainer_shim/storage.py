@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Protocol
 
+PART = 8 << 20  # the S3 client's multipart upload part size
+
 
 class StorageError(OSError):
     """The storage cannot be reached or refused an operation; the message says which."""
@@ -110,9 +112,9 @@ class S3Storage:
     def write(self, name: str, data: memoryview | bytes) -> None:
         try:
             stream = self._client.put_object(self.bucket, self._key(name))
-            view = memoryview(data)
-            for i in range(0, len(view), 64 << 20):
-                stream.write(view[i:i + (64 << 20)])
+            with memoryview(data) as view:  # released even when a traceback outlives us
+                for i in range(0, len(view), PART):  # the client takes bytes: a part at a time
+                    stream.write(bytes(view[i:i + PART]))
             stream.close()  # the object exists only once the upload completes
         except self._error as e:
             raise StorageError(f"writing s3://{self.bucket}/{self._key(name)}: {e}") from None
