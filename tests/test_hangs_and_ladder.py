@@ -186,15 +186,16 @@ def test_hub_blames_the_frozen_rank_else_all_that_fell_silent_together():
         hub.links[1].activity.last_tick = 0.0  # 1 is frozen: its peer only waits on it
         assert [pid for pid, _ in hub.hung(5.1, timeouts)] == [1]
         assert "frozen" in hub.hung(5.1, timeouts)[0][1]
+        hub.links[2].parked = True  # parked ranks are never hung
+        hub.links[1].activity.last_tick = 5.0
+        assert [pid for pid, _ in hub.hung(1.05, timeouts)] == [1]
         # The waiting peer crosses the timeout first: it is not blamed, the verdict waits
         # until the frozen rank crosses it too.
+        hub.links[2].parked = False
         hub.links[1].activity.beat(4.5, 1)
         hub.links[1].activity.last_tick = 2.0
         assert hub.hung(5.11, timeouts) == []
         assert [pid for pid, _ in hub.hung(5.6, timeouts)] == [1]
-        hub.links[2].parked = True  # parked ranks are never hung
-        hub.links[1].activity.last_tick = 5.0
-        assert [pid for pid, _ in hub.hung(1.05, timeouts)] == [1]
     finally:
         hub.close()
         context.term()
