@@ -8,10 +8,14 @@ tensors), written to --dir (a local disk by default) by each method in turn:
     torch.save        torch.save + fsync (blocks for everything)
     dcp.save          torch.distributed.checkpoint.save (blocks for everything)
     dcp.async_save    torch.distributed.checkpoint.async_save (blocks for its staging)
-    ftlaunch          trainer_shim.AsyncCheckpointer.save / .wait
+    ftlaunch          trainer_shim.AsyncCheckpointer.save / .wait (staging in /dev/shm,
+                      owned as an agent owns it)
 
 "blocked" is the caller's time in the save call; "durable" is until the data is fsynced
 (for async methods: until wait()/result() returns). Each method runs --reps times; medians.
+Then restores, into fresh tensors as a restarted process has them: ftlaunch from shared
+memory (a replacement rank on the same node), ftlaunch from storage (checksums verified),
+torch.load (page cache warm: these are upper bounds for a restore from disk).
 
     python scripts/bench_checkpoint.py --gib 1 --reps 3
 """
@@ -108,17 +112,52 @@ def bench_dcp_async(state, out):
 _CHECKPOINTERS: dict = {}
 
 
-def bench_ftlaunch(state, out):
+def _checkpointer(root: Path):
+    """One checkpointer for every rep (its staging is reused), staging as an agent owns it."""
+    from trainer_shim import staging
     from trainer_shim.checkpoint import AsyncCheckpointer
 
-    root = out.parent.parent  # one checkpointer for every rep: its staging is reused
-    ckpt = _CHECKPOINTERS.setdefault(root, AsyncCheckpointer(root / "ftlaunch", keep_last=1))
+    if root not in _CHECKPOINTERS:
+        _CHECKPOINTERS[root] = (AsyncCheckpointer(root / "ftlaunch", keep_last=1,
+                                                  staging_dir=str(staging.create_dir())))
+    return _CHECKPOINTERS[root]
+
+
+def bench_ftlaunch(state, out):
+    ckpt = _checkpointer(out.parent.parent)
     step = (ckpt.latest_step() or 0) + 1
     t0 = time.perf_counter()
     ckpt.save(step, **state)
     blocked = time.perf_counter() - t0
     ckpt.wait()
     return blocked, time.perf_counter() - t0
+
+
+def restore_ftlaunch(root: Path, state, from_storage: bool) -> float:
+    from trainer_shim.checkpoint import AsyncCheckpointer
+
+    saved = _checkpointer(root)
+    staging_dir = None if from_storage else saved._slots[0]._data_path.parent
+    fresh = AsyncCheckpointer(root / "ftlaunch", staging_dir=str(staging_dir) if staging_dir
+                              else None)
+    targets = {k: {} for k in state}
+    t0 = time.perf_counter()
+    fresh.load_latest(**targets)
+    t = time.perf_counter() - t0
+    expected = "storage" if from_storage else "shared memory"
+    assert fresh.restored_from == expected, fresh.restored_from
+    assert all(torch.equal(targets[k][n], state[k][n]) for k in state for n in state[k])
+    fresh.close()
+    return t
+
+
+def restore_torch_load(root: Path, state) -> float:
+    path = root / "restore.pt"
+    if not path.exists():
+        torch.save(state, path)
+    t0 = time.perf_counter()
+    torch.load(path, weights_only=True)
+    return time.perf_counter() - t0
 
 
 METHODS = {"memcpy floor": bench_memcpy, "dd": bench_dd, "torch.save": bench_torch_save,
@@ -153,6 +192,17 @@ def main() -> None:
         b = statistics.median(v[0] for v in values)
         d = statistics.median(v[1] for v in values)
         print(f"{name:<15} {b:10.3f} {d:10.3f} {gib / d:14.2f}")
+    if "ftlaunch" in results:
+        restores = {"ftlaunch from shared memory": lambda: restore_ftlaunch(root, state, False),
+                    "ftlaunch from storage": lambda: restore_ftlaunch(root, state, True),
+                    "torch.load": lambda: restore_torch_load(root, state)}
+        print(f"\n{'restore':<28} {'seconds':>8} {'GB/s':>6}  (median of {args.reps})")
+        for name, run in restores.items():
+            t = statistics.median(run() for _ in range(args.reps))
+            print(f"{name:<28} {t:8.3f} {nbytes(state) / t / 1e9:6.2f}", flush=True)
+    for ckpt in _CHECKPOINTERS.values():
+        ckpt.close()
+        shutil.rmtree(ckpt._slots[0]._data_path.parent, ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)
 
 

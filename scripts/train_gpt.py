@@ -221,7 +221,7 @@ def train(ctx, args, shim):
     ddp = DDP(model) if distributed else model
     log(f"start rank {rank} world {world} pid {os.getpid()} resume_from {start} ({source})")
 
-    loss_val, t0 = None, time.perf_counter()
+    loss_val, t0, stopped_early = None, time.perf_counter(), False
     for step in range(start + 1, args.steps + 1):  # `step` = number of steps done after it
         maybe_inject_fault(rank, step, heartbeat)
         x, y = make_batch(args.seed, rank, step, args.batch_size)
@@ -233,6 +233,13 @@ def train(ctx, args, shim):
         if step % args.log_every == 0:
             log(f"step {step} loss {loss_val:.4f} rank {rank}")
         heartbeat(step)
+        if shim and shim.preempted():  # SIGTERM: save now, leave within the grace period
+            log(f"preempted at step {step} rank {rank}")
+            if checkpointer:
+                checkpointer.save(step, model=model, optim=opt, extra={
+                    "rng": torch.get_rng_state(), "shim": shim.state_dict()})
+            stopped_early = True
+            break
         if checkpointer and step % args.ckpt_every == 0:
             checkpointer.save(step, model=model, optim=opt, extra={
                 "rng": torch.get_rng_state(), "shim": shim.state_dict() if shim else {}})
@@ -257,7 +264,7 @@ def train(ctx, args, shim):
     if n > 0 and rank == 0:
         log(f"time per step {1000 * (time.perf_counter() - t0) / n:.2f} ms")
 
-    if args.out and rank == 0:
+    if args.out and rank == 0 and not stopped_early:
         result = {
             "final_step": max(args.steps, start),
             "loss": loss_val,

@@ -272,3 +272,29 @@ def test_replacement_resumes_from_shared_memory_and_the_agent_persists_on_exit(
     assert steps[-1] == f"step_{STEPS:09d}", context
     assert not [d for d in os.listdir("/dev/shm")
                 if d.startswith(f"ftlaunch-staging-{run.proc.pid}-")], "staging memory freed"
+
+
+def test_sigterm_checkpoints_within_the_grace_period(tmp_path, launch):
+    """Preemption: SIGTERM to the agent reaches the ranks, ``ft.preempted()`` turns true on
+    both at the same step, they save and leave; the step is committed when ftlaunch exits
+    with 128+15, although nothing else was ever persisted (--persist-every 1000)."""
+    import signal
+
+    out = tmp_path / "result.json"
+    run = launch("--standalone", "--nproc-per-node", str(NPROC), "--log-dir",
+                 str(tmp_path / "logs"), TRAIN, "--shim", "--steps", "100000",
+                 "--step-time", "0.05", "--async-ckpt", "--ckpt-every", "1000",
+                 "--persist-every", "1000", "--ckpt-dir", str(tmp_path / "ckpt"),
+                 "--out", str(out))
+    run.wait_for(r"step 5 loss", timeout=120)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish(120) == 128 + signal.SIGTERM, run.output
+    stops = {int(m.group(1)) for m in re.finditer(r"preempted at step (\d+)", run.output)}
+    assert len(stops) == 1 and len(re.findall("preempted at step", run.output)) == NPROC, \
+        f"both ranks stop at one step\n{run.output}"
+    (step,) = stops
+    committed = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert committed == [f"step_{step:09d}"], run.output
+    assert all((tmp_path / "ckpt" / committed[0] / f"rank_{r}.meta").exists()
+               for r in range(NPROC)), run.output
+    assert not out.exists(), "a preempted run does not report itself finished"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import signal
 import sys
 import time
 import traceback
@@ -74,6 +75,36 @@ def heartbeat(step: int | None = None) -> None:
     if now - _last_beat >= MIN_BEAT_INTERVAL:
         _last_beat = now
         _link.send("beat", step=-1 if step is None else int(step))
+
+
+_preempted = False
+_preemption_armed = False
+
+
+def preempted() -> bool:
+    """True once the job is asked to stop (SIGTERM: a Kubernetes eviction, a SLURM
+    preemption, ``ftlaunch`` forwarding one): save a checkpoint and return, within the
+    launcher's grace period. With torch.distributed initialized the ranks agree (one tiny
+    all-reduce, so call it at the same steps on every rank): all stop at the same step even
+    when the signal reaches them a step apart. The first call arms a SIGTERM handler, only
+    if SIGTERM still has its default action, so a script that never asks is stopped as
+    before. Works under torchrun and plain python too."""
+    global _preemption_armed
+    if not _preemption_armed:
+        _preemption_armed = True
+        with contextlib.suppress(ValueError):  # not the main thread: the flag stays False
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, _on_sigterm)
+    from trainer_shim import collective
+
+    if not collective.initialized():
+        return _preempted
+    return bool(collective.all_reduce_int(int(_preempted), "max"))
+
+
+def _on_sigterm(signum, frame) -> None:
+    global _preempted
+    _preempted = True
 
 
 def state_dict() -> dict[str, float]:

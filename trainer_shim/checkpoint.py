@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from trainer_shim import shards
+from trainer_shim.collective import all_reduce_int
 from trainer_shim.staging import SLOTS, STAGING_ENV, Slot, StagingFull
 from trainer_shim.storage import open_storage
 
@@ -231,23 +232,14 @@ def _group(world_size: int) -> bool:
             and dist.get_world_size() == world_size)
 
 
-def _all_reduce_min(value: int) -> int:
-    dist = torch.distributed
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if "nccl" in str(dist.get_backend()) else torch.device("cpu"))
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
 def _all(flag: bool) -> bool:
-    return _all_reduce_min(int(flag)) == 1
+    return all_reduce_int(int(flag), "min") == 1
 
 
 def _agree(candidates: set[int]) -> int | None:
     """The newest step in every rank's ``candidates`` (collective; None if there is none)."""
     while True:
-        step = _all_reduce_min(max(candidates, default=-1))
+        step = all_reduce_int(max(candidates, default=-1), "min")
         if step < 0:
             return None
         if _all(step in candidates):
