@@ -35,6 +35,7 @@ from launcher.store import AgentStore
 from launcher.warm_pool import WarmPool
 from launcher.workers import OutputPlan, Program, Rank, RankExit, WorkerGroup, rank_preexec_fn
 from trainer_shim import staging
+from trainer_shim.agent_link import RESUME_STEP_ENV
 
 POOL_FILL_AFTER = 30.0
 """The warm pool (re)fills once every local rank sent its first heartbeat (its start-up is
@@ -85,6 +86,7 @@ class Agent:
         self.shutdown_signal: int | None = None
         self.kill_at: float | None = None
         self.restart_count = 0
+        self.committed_step = -1  # the newest checkpoint step every rank made durable
         self.started_at = self.last_loop = time.monotonic()
         self.exit_code: int | None = None
 
@@ -147,6 +149,12 @@ class Agent:
             self._start_ranks(msg)
         elif msg.type == "recover":
             self._recover(msg)
+        elif msg.type == "committed":
+            self.committed_step = msg["step"]
+            self.events.emit("checkpoint_committed", f"checkpoint step {msg['step']} committed "
+                             "(every rank's shard durable)", step=msg["step"])
+            for rank in self.workers.alive():
+                self.hub.send(rank.proc.pid, "committed", step=msg["step"])
         elif msg.type == "stop":
             self._finish(msg["exit_code"], msg["reason"])
 
@@ -265,6 +273,9 @@ class Agent:
     def _on_rank_messages(self) -> None:
         now = time.monotonic()
         parked = self.hub.receive(now)
+        for rank, step in self.hub.durable:  # the coordinator tells when every rank's is
+            self._send("durable", node_id=self.node_id, rank=rank, step=step)
+        self.hub.durable.clear()
         if self.pool_fill_at is not None and self.recovery is None and all(
                 (link := self.hub.links.get(r.proc.pid)) and link.activity.beats
                 for r in self.workers.alive()):
@@ -433,9 +444,12 @@ class Agent:
 
     def _rank_env(self, rank_dir: Path) -> dict[str, str]:
         """ftlaunch's own variables for a rank: the hub, where its stacks go on a hang."""
-        return {HUB_ENV: self.hub.endpoint, STACKS_FILE_ENV: str(rank_dir / "stacks.txt"),
-                STACK_SIGNAL_ENV: str(int(stacks.STACK_SIGNAL)),
-                staging.STAGING_ENV: str(self.staging_dir)}
+        env = {HUB_ENV: self.hub.endpoint, STACKS_FILE_ENV: str(rank_dir / "stacks.txt"),
+               STACK_SIGNAL_ENV: str(int(stacks.STACK_SIGNAL)),
+               staging.STAGING_ENV: str(self.staging_dir)}
+        if self.committed_step >= 0:
+            env[RESUME_STEP_ENV] = str(self.committed_step)
+        return env
 
     def _sync_poller(self) -> None:
         """Poll exactly the live ranks' pidfds and output pipes, and warming pool processes."""

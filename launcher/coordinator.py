@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from launcher import exit_codes, membership, recovery
+from launcher.commits import CommitLog
 from launcher.protocol import Codec, Message, ProtocolError
 
 log = logging.getLogger("ftlaunch.coordinator")
@@ -59,6 +60,7 @@ class JobState:
     finished: set[str] = field(default_factory=set)
     first_finished_at: float | None = None
     final: tuple[int, str] | None = None  # (exit code, reason) once done
+    commits: CommitLog = field(default_factory=lambda: CommitLog(0))  # of the current world
 
 
 def bind_router(context: zmq.Context, addr: str, port: int) -> tuple[zmq.Socket, int]:
@@ -162,6 +164,11 @@ class Coordinator:
         if msg.type == "join":
             self._on_join(identity, msg, now)
             return
+        if msg.type == "durable":  # a fact about storage, whatever the epoch it was sent in
+            step = s.commits.report(msg["rank"], msg["step"])
+            if step is not None:
+                self._broadcast_round("committed", step=step)
+            return
         if msg.epoch != s.epoch:
             log.info("ignored stale %s (epoch %d, now %d)", msg.type, msg.epoch, s.epoch)
             return
@@ -242,6 +249,8 @@ class Coordinator:
         assignments = membership.assign_ranks([s.members[n] for n in s.round_joined],
                                               s.group_ranks)
         s.group_ranks = {a.node_id: a.group_rank for a in assignments}
+        if assignments and assignments[0].world_size != s.commits.world_size:
+            s.commits = CommitLog(assignments[0].world_size)  # shards of another world differ
         members = [[a.node_id, s.members[a.node_id].addr, s.standby_ports[a.node_id]]
                    for a in assignments[:SUCCESSORS]]
         s.phase = "waiting_store"

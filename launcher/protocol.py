@@ -42,6 +42,7 @@ SCHEMA: dict[str, dict[str, Any]] = {
     "failure": {"node_id": _STR, "rank": _INT, "local_rank": _INT, "exit_code": _OPT_INT,
                 "signal": _STR, "cause": _STR, "step": _INT},
     "finished": {"node_id": _STR},
+    "durable": {"node_id": _STR, "rank": _INT, "step": _INT},  # a checkpoint shard, relayed
     "leave": {"node_id": _STR, "exit_code": _INT, "reason": _STR},
     # coordinator -> agent
     "heartbeat_ack": {},
@@ -51,6 +52,7 @@ SCHEMA: dict[str, dict[str, Any]] = {
     "start": {"master_addr": _STR, "master_port": _INT, "restart_count": _INT},
     "recover": {"policy": _STR, "restart_count": _INT, "delay": _FLOAT, "cause": _STR},
     "stop": {"exit_code": _INT, "reason": _STR},
+    "committed": {"step": _INT},  # every rank's shard of this checkpoint step is durable
 }
 """Fields of each message type beyond the envelope (v, type, epoch, sid, seq)."""
 
@@ -73,9 +75,11 @@ LOCAL_SCHEMA: dict[str, dict[str, Any]] = {
     "learned": {"pid": _INT, "interval": _FLOAT},  # longest heartbeat interval, restored  # from the shim's own thread: the process runs, whatever training does
     "section": {"pid": _INT, "name": _STR, "open": _bool},
     "parked": {"pid": _INT, "error": _STR},
+    "durable": {"pid": _INT, "rank": _INT, "step": _INT},  # its shard of a checkpoint step
     # agent -> rank
     "abort": {},
     "resume": {"env": _env},
+    "committed": {"step": _INT},  # every rank's shard of this step is durable
 }
 """Messages between the agent and its own ranks. The ipc:// socket lives in a 0700 directory,
 so the file system is the authentication; they are schema-checked msgpack all the same."""

@@ -50,6 +50,7 @@ class RankHub:
         self.socket.bind(self.endpoint)
         self.links: dict[int, RankLink] = {}  # by pid
         self.best_step = -1  # the highest step any rank reported since reset_steps()
+        self.durable: list[tuple[int, int]] = []  # (rank, step) checkpoint shards to relay
 
     def track(self, pid: int, now: float) -> None:
         """A rank process started (or resumed): watch it from now on."""
@@ -96,6 +97,8 @@ class RankHub:
                 self.best_step = max(self.best_step, msg["step"])
             elif msg.type == "section":
                 link.activity.section(now, msg["name"], msg["open"])
+            elif msg.type == "durable":
+                self.durable.append((msg["rank"], msg["step"]))
             elif msg.type == "parked":
                 link.parked, link.error = True, msg["error"]
                 parked.append(msg["pid"])

@@ -219,7 +219,8 @@ def train(ctx, args, shim):
     if ckpt_path and rank == 0:
         os.makedirs(args.ckpt_dir, exist_ok=True)
     ddp = DDP(model) if distributed else model
-    log(f"start rank {rank} world {world} pid {os.getpid()} resume_from {start} ({source})")
+    log(f"start rank {rank} world {world} pid {os.getpid()} resume_from {start} ({source}) "
+        f"agents_committed {ctx.resume_step if ctx else None}")
 
     loss_val, t0, stopped_early = None, time.perf_counter(), False
     for step in range(start + 1, args.steps + 1):  # `step` = number of steps done after it

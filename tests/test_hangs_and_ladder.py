@@ -199,3 +199,16 @@ def test_hub_blames_the_frozen_rank_else_all_that_fell_silent_together():
     finally:
         hub.close()
         context.term()
+
+
+def test_a_checkpoint_step_commits_once_every_rank_holds_it():
+    from launcher.commits import CommitLog
+
+    log = CommitLog(world_size=3)
+    assert log.report(0, 10) is None and log.report(1, 10) is None
+    assert log.report(2, 20) is None, "rank 2 never had 10 durable"
+    assert log.report(2, 10) == 10
+    assert log.report(0, 20) is None and log.report(1, 20) == 20
+    assert log.report(0, 10) is None, "older than the committed step: nothing new"
+    assert log.report(3, 30) is None and log.report(-1, 30) is None, "not a rank of this world"
+    assert log.committed == 20

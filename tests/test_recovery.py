@@ -262,7 +262,7 @@ def test_replacement_resumes_from_shared_memory_and_the_agent_persists_on_exit(
     context = f"fault kill rank {rank} step {step}\n{run.output}"
     _check_result(out, reference, step, context)
     expected = (step - 1) // CKPT_EVERY * CKPT_EVERY
-    resumed = re.findall(r"start rank (\d) world \d+ pid \d+ resume_from (\d+) \((.+)\)",
+    resumed = re.findall(r"start rank (\d) world \d+ pid \d+ resume_from (\d+) \(([^)]+)\)",
                          run.output)
     assert sorted(resumed[NPROC:]) == [(str(r), str(expected), "shared memory")
                                        for r in range(NPROC)], context
@@ -298,3 +298,25 @@ def test_sigterm_checkpoints_within_the_grace_period(tmp_path, launch):
     assert all((tmp_path / "ckpt" / committed[0] / f"rank_{r}.meta").exists()
                for r in range(NPROC)), run.output
     assert not out.exists(), "a preempted run does not report itself finished"
+
+
+def test_commits_are_announced_once_every_rank_is_durable(request, tmp_path, launch, reference):
+    """--async-ckpt, every save persisted: each rank's writer reports its durable shard,
+    agents relay, the coordinator announces a step once both ranks hold it; a replacement
+    starts knowing the newest one (RestartContext.resume_step)."""
+    rank, step, env = _fault(request, "kill")
+    run, out, logs = _run(launch, tmp_path, env=env, warm=True, extra=["--async-ckpt"])
+    assert run.finish(180) == 0, run.output
+    context = f"fault kill rank {rank} step {step}\n{run.output}"
+    _check_result(out, reference, step, context)
+    committed = [e["step"] for e in _events(logs) if e["event"] == "checkpoint_committed"]
+    assert committed == sorted(set(committed)) and committed[-1] == STEPS, context
+    assert set(committed) <= set(range(CKPT_EVERY, STEPS + 1, CKPT_EVERY)), context
+    for s in committed:
+        assert all((tmp_path / "ckpt" / f"step_{s:09d}" / f"rank_{r}.meta").exists()
+                   for r in range(NPROC)) or s < committed[-1] - 2 * CKPT_EVERY, context
+    expected = (step - 1) // CKPT_EVERY * CKPT_EVERY
+    known = re.findall(rf"start rank {rank} world \d+ pid \d+ resume_from {expected} "
+                       r"\([^)]+\) agents_committed (\S+)", run.output)
+    assert known and known[-1] in (str(expected), str(expected - CKPT_EVERY)), \
+        f"the replacement knew the newest committed step; {context}"

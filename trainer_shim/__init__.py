@@ -142,12 +142,13 @@ class RestartContext:
     local_rank: int
     world_size: int
     attempt: int  # TORCHELASTIC_RESTART_COUNT: 0 first, then one more per recovery
-    resume_step: int | None  # newest step every rank holds, when the agent knows it
+    resume_step: int | None  # newest checkpoint step every rank had made durable (the agents'
+    # record) when this attempt started; load_latest may find a newer one staged everywhere
 
     @classmethod
     def from_env(cls) -> RestartContext:
         env = os.environ
-        resume = env.get("FTLAUNCH_RESUME_STEP")
+        resume = env.get("FTLAUNCH_RESUME_STEP")  # agent_link.RESUME_STEP_ENV
         return cls(int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0")),
                    int(env.get("WORLD_SIZE", "1")), int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
                    int(resume) if resume else None)

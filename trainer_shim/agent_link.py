@@ -3,7 +3,9 @@
 Two ZeroMQ sockets, because a socket belongs to one thread: the training thread sends
 heartbeats and section boundaries on its own (non-blocking, dropped if the agent is slow,
 never waited on), and a daemon thread listens for the agent's commands: "abort" raises
-``RestartRequested`` in the training thread, "resume" hands it the next attempt's env.
+``RestartRequested`` in the training thread, "resume" hands it the next attempt's env,
+"committed" records the newest checkpoint step every rank made durable. (A third socket,
+behind a lock, carries checkpoint writers' reports.)
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from launcher.hang_detection import TICK_INTERVAL
 from launcher.pool_process import register_stack_dump
 from launcher.protocol import pack_local, unpack_local
 from launcher.rank_hub import HUB_ENV
+
+RESUME_STEP_ENV = "FTLAUNCH_RESUME_STEP"
+"""The newest checkpoint step every rank had made durable when this attempt started."""
 
 
 class RestartRequested(BaseException):  # noqa: N818 - reads as what happened
@@ -41,6 +46,9 @@ class AgentLink:
         self.restartable = False
         self.stacks = register_stack_dump()
         self._commands = self._connect()
+        self._reports = self._connect()  # from any thread (checkpoint writers), one at a time
+        self._reports_lock = threading.Lock()
+        self.committed_step = int(os.environ.get(RESUME_STEP_ENV, -1))
         self._next_tick = 0.0
         self._commands.send(pack_local("hello", pid=self.pid, stacks=self.stacks))
         threading.Thread(target=self._listen, name="ftlaunch-shim", daemon=True).start()
@@ -58,6 +66,11 @@ class AgentLink:
             self._beats.send(pack_local(kind, pid=self.pid, **fields), zmq.NOBLOCK)
         except zmq.Again:
             pass  # the agent is behind: a heartbeat is worthless late anyway
+
+    def report(self, kind: str, **fields) -> None:
+        """Fire and forget, from any thread but the training thread."""
+        with self._reports_lock, contextlib.suppress(zmq.Again):
+            self._reports.send(pack_local(kind, pid=self.pid, **fields), zmq.NOBLOCK)
 
     def hello_restartable(self) -> None:
         self.restartable = True
@@ -91,6 +104,8 @@ class AgentLink:
                     continue
                 if msg.type == "resume":
                     self._resume.put(msg["env"])
+                elif msg.type == "committed":
+                    self.committed_step = max(self.committed_step, msg["step"])
                 elif msg.type == "abort":
                     with self._abort_lock:
                         if self._in_training:

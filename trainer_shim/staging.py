@@ -49,6 +49,7 @@ class Slot:
         self.buffer: mmap.mmap | None = None
         self._fd = -1
         self._anonymous_meta: dict[str, Any] | None = None
+        self.before_unmap = None  # e.g. un-pin the memory from CUDA
 
     def ensure(self, nbytes: int) -> None:
         """Map at least ``nbytes``; the space is reserved up front (posix_fallocate), so a
@@ -115,6 +116,8 @@ class Slot:
 
     def close_buffer(self) -> None:
         if self.buffer is not None:
+            if self.before_unmap is not None:
+                self.before_unmap(self.buffer)
             self.buffer.close()
             self.buffer = None
 
