@@ -26,6 +26,7 @@ from launcher.control_plane import ControlPlane, job_secret, outgoing_addr
 from launcher.coordinator import JobState
 from launcher.events import EventLog, PhaseClock
 from launcher.hang_detection import HangTimeouts
+from launcher.health_monitor import HealthMonitor
 from launcher.orphan_guard import OrphanGuard
 from launcher.pool_process import STACK_SIGNAL_ENV, STACKS_FILE_ENV
 from launcher.protocol import Message
@@ -87,6 +88,8 @@ class Agent:
         self.kill_at: float | None = None
         self.restart_count = 0
         self.committed_step = -1  # the newest checkpoint step every rank made durable
+        self.draining = ""  # a GPU finding that wants this node out at the next safe point
+        self.dead_pids: set[int] = set()  # whose GPU memory must be free before a restart
         self.started_at = self.last_loop = time.monotonic()
         self.exit_code: int | None = None
 
@@ -112,6 +115,8 @@ class Agent:
                         self._on_rank_messages()
                     elif fd == self.signal_fd:
                         self._on_signals()
+                    elif self.health is not None and fd == self.health.fd:
+                        self._on_gpu_health()
                     elif self.pool is not None and fd in self.pool.fds():
                         self._on_pool_ready(fd)
                     else:
@@ -148,7 +153,10 @@ class Agent:
                 self.recovery.mark("rendezvous")
             self._start_ranks(msg)
         elif msg.type == "recover":
-            self._recover(msg)
+            if self.draining:  # a recovery is the moment to leave without costing a restart
+                self._exclude_node(self.draining)
+            else:
+                self._recover(msg)
         elif msg.type == "committed":
             self.committed_step = msg["step"]
             self.events.emit("checkpoint_committed", f"checkpoint step {msg['step']} committed "
@@ -167,6 +175,7 @@ class Agent:
                           a["rank_offset"], a["world_size"], self.local_world_size,
                           msg["master_addr"], msg["master_port"], msg["restart_count"],
                           a["max_restarts"], self.config.signals_to_handle)
+        self._wait_gpu_memory_released()
         now = time.monotonic()
         self.hub.reset_steps()
         sources = {"resumed": [], "warm": [], "fresh": []}
@@ -259,6 +268,7 @@ class Agent:
 
     def _on_rank_exit(self, exit_: RankExit) -> None:
         self.hub.forget(exit_.pid)
+        self.dead_pids.add(exit_.pid)
         if self.shutdown_signal is not None:
             if not self.workers.alive():
                 self.exit_code = exit_codes.SIGNAL_BASE + self.shutdown_signal
@@ -310,6 +320,53 @@ class Agent:
             self.events.emit("warm_pool_ready", f"warm pool ready: {self.local_world_size} "
                              f"interpreters imported {self.config.preload} in {seconds:.2f}s",
                              seconds=seconds)
+
+    def _on_gpu_health(self) -> None:
+        """Warn; want out at the next recovery (drain); or leave the job now (fatal)."""
+        for finding in self.health.findings():
+            self.events.emit("gpu_health", str(finding), gpu=finding.gpu, finding=finding.kind,
+                             severity=finding.severity, detail=finding.detail)
+            if finding.severity == "drain" and not self.draining:
+                self.draining = str(finding)
+            elif finding.severity == "fatal":
+                self._exclude_node(str(finding))
+
+    def _exclude_node(self, reason: str) -> None:
+        """Stop this node's ranks and leave the job, which goes on without us if it can;
+        exit 3 so the scheduler puts no work on this node again."""
+        if self.exit_code is not None:
+            return
+        self.events.emit("node_unhealthy", f"this node is unhealthy: {reason}; stopping its "
+                         "ranks and leaving the job (exit 3: do not requeue on this node)",
+                         reason=reason)
+        self._stop_ranks(self.config.stop_timeout)
+        if self.max_nodes > 1:  # the others recover without us
+            self._send("unhealthy", node_id=self.node_id, reason=reason)
+        else:
+            self._send("leave", node_id=self.node_id, exit_code=exit_codes.DO_NOT_REQUEUE,
+                       reason=f"unhealthy: {reason}")
+        print(f"ftlaunch: node unhealthy: {reason}. Drain this node and have its GPUs checked "
+              "(nvidia-smi -q, a GPU reset or a reboot); exit 3: do not requeue here.",
+              file=sys.stderr, flush=True)
+        self.exit_code = exit_codes.DO_NOT_REQUEUE
+
+    def _wait_gpu_memory_released(self) -> None:
+        """Replacements must not start on a GPU whose memory dead ranks still hold (their
+        CUDA contexts tear down after the process is reaped); bounded."""
+        if self.health is None or not self.dead_pids:
+            return
+        deadline = time.monotonic() + self.config.gpu_release_timeout
+        while True:
+            self.health.read_now()
+            holding = self.dead_pids & self.health.processes()
+            if not holding or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if holding:
+            self.events.emit("gpu_memory_held", f"dead ranks {sorted(holding)} still hold GPU "
+                             f"memory after {self.config.gpu_release_timeout:g}s; starting anyway",
+                             pids=sorted(holding))
+        self.dead_pids.clear()
 
     def _check_hangs(self, now: float) -> None:
         """Capture a hung rank's stacks, then kill it: its exit is then a failure like any."""
@@ -412,6 +469,7 @@ class Agent:
         for exit_ in self.workers.stop(timeout, ranks=ranks,
                                        tick=lambda: self.control.heartbeat_if_due(time.monotonic())):
             self.hub.forget(exit_.pid)
+            self.dead_pids.add(exit_.pid)
         self._sync_poller()
         if ranks is None:
             self.parked.clear()
@@ -477,6 +535,8 @@ class Agent:
         signal.set_wakeup_fd(write_end)
         self._previous_handlers = {sig: signal.signal(sig, lambda *_: None)
                                    for sig in self.config.signals()}
+        self.health, why = HealthMonitor.start(self.config.health_interval)
+        self.events.emit("gpu_health_monitor", why, active=self.health is not None)
         self.hub = RankHub(self.context)
         self.staging_dir = staging.create_dir()  # checkpoint staging that outlives ranks
         self.workers = WorkerGroup(self.program, self.output, self.guard, self._rank_env)
@@ -487,11 +547,15 @@ class Agent:
         self.poller.register(self.control.socket, zmq.POLLIN)
         self.poller.register(self.hub.socket, zmq.POLLIN)
         self.poller.register(self.signal_fd, zmq.POLLIN)
+        if self.health is not None:
+            self.poller.register(self.health.fd, zmq.POLLIN)
         self._polled: set[int] = set()
 
     def _close(self) -> None:
         self._stop_ranks(self.config.stop_timeout)
         self._persist_staged()
+        if self.health is not None:
+            self.health.close()
         if self.pool is not None:
             self.pool.close()
         if self.spare_store is not None:

@@ -103,6 +103,12 @@ class LaunchConfig:
     stack_dump: str = _opt("auto", "How a hung rank's stacks are captured before it is killed "
                            "(auto: py-spy if installed, else faulthandler).", group=RECOVERY,
                            choices=STACK_DUMPS)
+    health_interval: float = _opt(5.0, "Seconds between GPU health readings through NVML (ECC, "
+                                  "row remapping, XIDs, recovery action, NVLink, slowdowns); "
+                                  "0 = off. No GPU: off by itself.", group=RECOVERY)
+    gpu_release_timeout: float = _opt(10.0, "Seconds to wait for dead ranks' GPU memory to be "
+                                      "released before their replacements start.",
+                                      group=RECOVERY)
     restart_backoff: float = _opt(1.0, "Seconds before the 2nd restart, doubling after; the "
                                   "1st restart is immediate.", group=RECOVERY)
     restart_backoff_max: float = _opt(30.0, "Longest wait between restarts, seconds.",
@@ -279,7 +285,8 @@ class LaunchConfig:
         self.rdzv_timeouts()
         for name in ("restart_backoff", "restart_backoff_max", "grace_period", "stop_timeout",
                      "exit_barrier_timeout", "monitor_interval", "hang_timeout",
-                     "hang_timeout_factor", "startup_timeout"):
+                     "hang_timeout_factor", "startup_timeout", "health_interval",
+                     "gpu_release_timeout"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 0 seconds")
         for f in dataclasses.fields(self):

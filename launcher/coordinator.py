@@ -188,6 +188,8 @@ class Coordinator:
                 self._finish(exit_codes.OK, "all ranks finished")
         elif msg.type == "leave":
             self._finish(msg["exit_code"], f"node {node} left: {msg['reason']}")
+        elif msg.type == "unhealthy" and node in s.members:
+            self._lose(node, now, f"node {node} excluded: {msg['reason']}")
 
     def _on_join(self, identity: bytes, msg: Message, now: float) -> None:
         s = self._state
@@ -297,9 +299,10 @@ class Coordinator:
             return True
         return False
 
-    def _lose(self, node: str, now: float) -> None:
+    def _lose(self, node: str, now: float, cause: str = "") -> None:
         s = self._state
-        log.warning("node %s lost: no heartbeat for %.1fs", node, now - s.last_seen[node])
+        cause = cause or f"node {node} lost (no heartbeat for {s.node_timeout:g}s)"
+        log.warning("%s", cause)
         for table in (s.members, s.standby_ports, s.identities, s.last_seen):
             table.pop(node, None)
         s.round_joined.discard(node)
@@ -307,6 +310,6 @@ class Coordinator:
             in_round = s.phase in ("waiting_store", "running")
             del s.group_ranks[node]
             if in_round:
-                self._recover_from(f"node {node} lost (no heartbeat for {s.node_timeout:g}s)", now)
+                self._recover_from(cause, now)
         s.expected.discard(node)
         s.expected_count = max(0, s.expected_count - 1)

@@ -44,6 +44,7 @@ SCHEMA: dict[str, dict[str, Any]] = {
     "finished": {"node_id": _STR},
     "durable": {"node_id": _STR, "rank": _INT, "step": _INT},  # a checkpoint shard, relayed
     "leave": {"node_id": _STR, "exit_code": _INT, "reason": _STR},
+    "unhealthy": {"node_id": _STR, "reason": _STR},  # exclude this node, go on without it
     # coordinator -> agent
     "heartbeat_ack": {},
     "assign": {"group_rank": _INT, "group_world_size": _INT, "rank_offset": _INT,
