@@ -119,6 +119,10 @@ def _check_script(config: LaunchConfig, script: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: parse, run one agent, exit with a scheduler-friendly code."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "doctor":  # pre-flight check of this node, before torchrun's flags
+        from launcher.doctor import main as doctor_main
+
+        sys.exit(doctor_main(argv[1:]))
     logging.basicConfig(level=os.environ.get("FTLAUNCH_LOG_LEVEL", "WARNING").upper(),
                         format="ftlaunch: %(name)s: %(message)s")
     if argv in (["--version"], ["-V"]):

@@ -144,11 +144,14 @@ class Nvml:
             pynvml.nvmlInit()
         except pynvml.NVMLError as e:
             raise NoGpu(f"no NVIDIA GPU ({e})") from None
-        count = pynvml.nvmlDeviceGetCount()
-        if count == 0:
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+            if count == 0:
+                raise NoGpu("NVML sees no GPU")
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        except BaseException:
             pynvml.nvmlShutdown()
-            raise NoGpu("NVML sees no GPU")
-        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            raise
         self._events = self._register_xid_events()
 
     def _register_xid_events(self):
@@ -207,7 +210,7 @@ class Nvml:
             else:  # older GPUs retire pages instead
                 pending = bool(get(n.nvmlDeviceGetRetiredPagesPendingStatus, default=0))
                 failed = False
-            action = self._field(h, n.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION)
+            action = self._field(h, getattr(n, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None))
             reasons = get(n.nvmlDeviceGetCurrentClocksThrottleReasons, default=0)
             memory = get(n.nvmlDeviceGetMemoryInfo)
             procs = get(n.nvmlDeviceGetComputeRunningProcesses, default=[])
@@ -218,8 +221,10 @@ class Nvml:
         except n.NVMLError_GpuIsLost:
             return Sample(index, name=name, lost=True, xids=xids)
 
-    def _field(self, h, field_id: int) -> int | None:
+    def _field(self, h, field_id: int | None) -> int | None:
         n = self._nvml
+        if field_id is None:
+            return None  # an nvidia-ml-py too old to name this field
         try:
             value = n.nvmlDeviceGetFieldValues(h, [field_id])[0]
         except n.NVMLError:
@@ -270,8 +275,8 @@ class FakeNvml:
         try:
             with open(self.path) as f:
                 self._scenario = json.load(f)
-        except (OSError, ValueError) as e:
-            raise NoGpu(f"fake NVML scenario {self.path} unreadable: {e}") from None
+        except (OSError, ValueError) as e:  # not NoGpu: a typo must not pass for "no GPU"
+            raise RuntimeError(f"fake NVML scenario {self.path} unreadable: {e}") from None
         count = int(self._scenario.get("gpus", 1))
         if count == 0:
             raise NoGpu("no NVIDIA GPU (fake NVML: NVML Shared Library Not Found)")
@@ -295,7 +300,8 @@ class FakeNvml:
             for key in ("xids", "slowdown", "pids"):
                 if key in changes:
                     changes[key] = tuple(changes[key])
-            state[event["gpu"]] = replace(state[event["gpu"]], **changes)
+            gpu = event.get("gpu", 0)
+            state[gpu] = replace(state[gpu], **changes)
         self._state = [replace(s, xids=()) for s in state]
         return state
 

@@ -43,6 +43,8 @@ class HealthMonitor:
             backend = open_backend()
         except NoGpu as e:
             return None, f"{e}: GPU health monitoring off"
+        except Exception as e:  # e.g. a GPU lost before we started: say so, train anyway
+            return None, f"GPU health monitoring could not start: {type(e).__name__}: {e}"
         monitor = cls(backend, interval)
         return monitor, (f"watching {len(monitor.samples)} GPU(s) every {interval:g}s "
                          f"(driver {monitor.versions[0]}, CUDA {monitor.versions[1]})")

@@ -148,3 +148,30 @@ def test_a_draining_node_keeps_training_and_leaves_at_the_next_recovery(tmp_path
     assert names.index("gpu_health") < names.index("rank_failed") < names.index("node_unhealthy")
     assert "recovered" not in names, run.output
     assert "row remap pending" in next(e for e in events if e["event"] == "node_unhealthy")["reason"]
+
+
+def test_monitor_wakes_the_agent_and_tracks_who_holds_gpu_memory(tmp_path, monkeypatch):
+    import select
+
+    from launcher.health_monitor import HealthMonitor
+
+    released = tmp_path / "released"
+    monkeypatch.setenv("FTLAUNCH_FAKE_NVML", _scenario(tmp_path, "procs", [
+        {"after": 0, "gpu": 0, "set": {"pids": [4242, 4343]}},
+        {"after": 0, "gpu": 1, "set": {"nvlink_errors": 3}},
+        {"when": str(released), "gpu": 0, "set": {"pids": [4343]}}]))
+    monitor, why = HealthMonitor.start(interval=60)  # only the first reading and read_now
+    try:
+        assert monitor is not None and "watching 2 GPU(s)" in why
+        assert select.select([monitor.fd], [], [], 5)[0], "a finding wakes the agent's poll"
+        assert [f.kind for f in monitor.findings()] == ["nvlink"]
+        assert monitor.processes() == {4242, 4343}
+        released.touch()  # the dead rank's CUDA context is gone
+        monitor.read_now()
+        assert monitor.processes() == {4343}
+        assert not select.select([monitor.fd], [], [], 0)[0] and monitor.findings() == []
+    finally:
+        monitor.close()
+    monkeypatch.setenv("FTLAUNCH_FAKE_NVML", _scenario(tmp_path, "none", [], gpus=0))
+    assert HealthMonitor.start(interval=5)[0] is None
+    assert HealthMonitor.start(interval=0)[1] == "GPU health monitoring off (--health-interval 0)"

@@ -22,7 +22,7 @@ import torch
 
 from trainer_shim import shards
 from trainer_shim.collective import all_reduce_int
-from trainer_shim.staging import SLOTS, STAGING_ENV, Slot, StagingFull
+from trainer_shim.staging import SLOTS, STAGING_ENV, Slot, StagingFull, private_copy
 from trainer_shim.storage import open_storage
 
 log = logging.getLogger("trainer_shim.checkpoint")
@@ -88,6 +88,8 @@ class AsyncCheckpointer:
         slot.seal(meta)  # from here on the copy survives this process
         if step % self.persist_every == 0:
             self._persist_in_background(index, meta)
+        if self._slots[index ^ 1].buffer is None and self._busy[index ^ 1] is None:
+            self._size_in_background(index ^ 1, len(slot.buffer))
 
     def wait(self) -> None:
         """Block until every save so far is durable; raises the writer's error if any."""
@@ -97,6 +99,9 @@ class AsyncCheckpointer:
 
     def close(self) -> None:
         self.wait()
+        for busy in self._busy:
+            if busy is not None:
+                busy.wait()
         for slot in self._slots:
             slot.close()
 
@@ -106,6 +111,21 @@ class AsyncCheckpointer:
         self._writer = threading.Thread(target=self._persist, args=(index, meta, busy, previous),
                                         name="ftlaunch-ckpt-writer", daemon=True)
         self._writer.start()
+
+    def _size_in_background(self, index: int, nbytes: int) -> None:
+        """Allocate and map the other slot off the training path: the first save into it
+        then blocks only for the copy, like every later one."""
+        self._busy[index] = ready = threading.Event()
+
+        def size() -> None:
+            try:
+                self._slots[index].ensure(nbytes)
+            except OSError:
+                pass  # no room: the save into it reports that, clearly
+            finally:
+                ready.set()
+
+        threading.Thread(target=size, name="ftlaunch-ckpt-size", daemon=True).start()
 
     def _persist(self, index, meta, busy, previous) -> None:
         try:
@@ -188,8 +208,9 @@ class AsyncCheckpointer:
 
     def _read(self, step: int, slot: int | None, verify_all: bool) -> dict[str, Any]:
         if slot is not None:  # staged on this node: no storage read, no checksum needed
-            meta, buffer = self._slots[slot].meta(), self._slots[slot].buffer
-            tensors = [_tensor(buffer, e).clone() for e in meta["tensors"]]
+            meta = self._slots[slot].meta()
+            copy = private_copy(self._slots[slot].buffer, meta["nbytes"])
+            tensors = [_tensor(copy, e) for e in meta["tensors"]]  # they keep the copy alive
             log.info("rank %d restored step %d from shared memory", self.rank, step)
             return _decode(meta["tree"], tensors)
         try:

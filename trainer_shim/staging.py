@@ -13,6 +13,7 @@ Without an agent the slots are anonymous (unlinked at once): nothing can leak.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -79,7 +80,7 @@ class Slot:
                 raise
             size = nbytes
         self.close_buffer()
-        self.buffer = mmap.mmap(self._fd, size)
+        self.buffer = _map(self._fd, size)
 
     def meta(self) -> dict[str, Any] | None:
         """What this slot holds, if it holds a whole save (named slots only)."""
@@ -111,7 +112,7 @@ class Slot:
         self._fd = os.open(self._data_path, os.O_RDWR)
         size = os.fstat(self._fd).st_size
         if size:
-            self.buffer = mmap.mmap(self._fd, size)
+            self.buffer = _map(self._fd, size)
         return True
 
     def close_buffer(self) -> None:
@@ -126,6 +127,24 @@ class Slot:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    """Shared, with every page mapped up front (MAP_POPULATE): no page fault mid-copy."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+
+
+def private_copy(buffer, nbytes: int) -> mmap.mmap:
+    """This process's own copy of staged bytes (a restore must not alias staging, which the
+    next save overwrites), in anonymous memory asking for huge pages: 512x fewer page
+    faults than small pages, which would otherwise cost more than the copy itself."""
+    copy = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            copy.madvise(mmap.MADV_HUGEPAGE)
+    with memoryview(buffer) as src, memoryview(copy) as dst:
+        dst[:nbytes] = src[:nbytes]
+    return copy
 
 
 def create_dir() -> Path:
