@@ -13,7 +13,6 @@ Without an agent the slots are anonymous (unlinked at once): nothing can leak.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import mmap
@@ -135,13 +134,10 @@ def _map(fd: int, size: int) -> mmap.mmap:
 
 
 def private_copy(buffer, nbytes: int) -> mmap.mmap:
-    """This process's own copy of staged bytes (a restore must not alias staging, which the
-    next save overwrites), in anonymous memory asking for huge pages: 512x fewer page
-    faults than small pages, which would otherwise cost more than the copy itself."""
+    """This process's own copy of staged bytes: a restore must not alias staging, which a
+    later save overwrites. (Faulting in the fresh pages costs more than the copy itself;
+    asking for huge pages was slower still in a fresh process: compaction.)"""
     copy = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):
-            copy.madvise(mmap.MADV_HUGEPAGE)
     with memoryview(buffer) as src, memoryview(copy) as dst:
         dst[:nbytes] = src[:nbytes]
     return copy
