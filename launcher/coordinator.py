@@ -301,8 +301,11 @@ class Coordinator:
 
     def _lose(self, node: str, now: float, cause: str = "") -> None:
         s = self._state
-        cause = cause or f"node {node} lost (no heartbeat for {s.node_timeout:g}s)"
-        log.warning("%s", cause)
+        if cause:
+            log.warning("%s", cause)
+        else:
+            log.warning("node %s lost: no heartbeat for %.1fs", node, now - s.last_seen[node])
+            cause = f"node {node} lost (no heartbeat for {s.node_timeout:g}s)"
         for table in (s.members, s.standby_ports, s.identities, s.last_seen):
             table.pop(node, None)
         s.round_joined.discard(node)

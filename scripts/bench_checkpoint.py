@@ -13,9 +13,10 @@ tensors), written to --dir (a local disk by default) by each method in turn:
 
 "blocked" is the caller's time in the save call; "durable" is until the data is fsynced
 (for async methods: until wait()/result() returns). Each method runs --reps times; medians.
-Then restores, into fresh tensors as a restarted process has them: ftlaunch from shared
-memory (a replacement rank on the same node), ftlaunch from storage (checksums verified),
-torch.load (page cache warm: these are upper bounds for a restore from disk).
+Then restores: ftlaunch from shared memory into state the process already has (a rank that
+re-enters in place; a replacement's freshly built model) and into fresh memory (an empty
+optimizer), ftlaunch from storage (checksums verified), torch.load (page cache warm: upper
+bounds for a restore from disk).
 
     python scripts/bench_checkpoint.py --gib 1 --reps 3
 """
@@ -133,14 +134,17 @@ def bench_ftlaunch(state, out):
     return blocked, time.perf_counter() - t0
 
 
-def restore_ftlaunch(root: Path, state, from_storage: bool) -> float:
+def restore_ftlaunch(root: Path, state, from_storage: bool, into_existing: bool = False) -> float:
+    """``into_existing``: the targets already hold tensors of the right shapes (a rank that
+    re-enters in place, or a model just built); else they are empty (fresh memory)."""
     from trainer_shim.checkpoint import AsyncCheckpointer
 
     saved = _checkpointer(root)
     staging_dir = None if from_storage else saved._slots[0]._data_path.parent
     fresh = AsyncCheckpointer(root / "ftlaunch", staging_dir=str(staging_dir) if staging_dir
                               else None)
-    targets = {k: {} for k in state}
+    targets = {k: {n: torch.zeros_like(t) for n, t in d.items()} if into_existing else {}
+               for k, d in state.items()}
     t0 = time.perf_counter()
     fresh.load_latest(**targets)
     t = time.perf_counter() - t0
@@ -193,8 +197,10 @@ def main() -> None:
         d = statistics.median(v[1] for v in values)
         print(f"{name:<15} {b:10.3f} {d:10.3f} {gib / d:14.2f}")
     if "ftlaunch" in results:
-        restores = {"ftlaunch from shared memory": lambda: restore_ftlaunch(root, state, False),
-                    "ftlaunch from storage": lambda: restore_ftlaunch(root, state, True),
+        restores = {"ftlaunch shm -> existing state": lambda: restore_ftlaunch(root, state,
+                                                                                  False, True),
+                    "ftlaunch shm -> fresh memory": lambda: restore_ftlaunch(root, state, False),
+                    "ftlaunch storage -> fresh": lambda: restore_ftlaunch(root, state, True),
                     "torch.load": lambda: restore_torch_load(root, state)}
         print(f"\n{'restore':<28} {'seconds':>8} {'GB/s':>6}  (median of {args.reps})")
         for name, run in restores.items():

@@ -143,7 +143,7 @@ def atomic_save(obj, path):
 def weights_sha256(model):
     h = hashlib.sha256()
     for t in model.state_dict().values():
-        h.update(bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).tolist()))
+        h.update(bytes(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).tolist()))
     return h.hexdigest()
 
 
@@ -174,6 +174,7 @@ def parse_args():
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--out", default=None, help="rank 0 writes a JSON summary here")
     p.add_argument("--shim", action="store_true", help="use trainer_shim (restartable, heartbeat)")
+    p.add_argument("--cuda", action="store_true", help="one GPU per rank (LOCAL_RANK), NCCL")
     return p.parse_args()
 
 
@@ -186,12 +187,15 @@ def train(ctx, args, shim):
     torch.use_deterministic_algorithms(True)
     distributed = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     if distributed:
-        dist.init_process_group(backend="gloo")  # env:// rendezvous
+        if args.cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend="nccl" if args.cuda else "gloo")  # env:// rendezvous
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
 
     torch.manual_seed(args.seed)
-    model = TinyGPT()
+    device = torch.device("cuda", torch.cuda.current_device()) if args.cuda else torch.device("cpu")
+    model = TinyGPT().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
     start, source = 0, "nothing"
     ckpt_path = os.path.join(args.ckpt_dir, "ckpt.pt") if args.ckpt_dir else None
@@ -225,7 +229,7 @@ def train(ctx, args, shim):
     loss_val, t0, stopped_early = None, time.perf_counter(), False
     for step in range(start + 1, args.steps + 1):  # `step` = number of steps done after it
         maybe_inject_fault(rank, step, heartbeat)
-        x, y = make_batch(args.seed, rank, step, args.batch_size)
+        x, y = (t.to(device) for t in make_batch(args.seed, rank, step, args.batch_size))
         loss = F.cross_entropy(ddp(x).reshape(-1, VOCAB), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()

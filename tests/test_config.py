@@ -58,6 +58,8 @@ VALID = {
     "hang_timeout": 30.0,
     "hang_timeout_factor": 4.0,
     "startup_timeout": 120.0,
+    "health_interval": 2.5,
+    "gpu_release_timeout": 4.0,
     "section_timeouts": "step=10,checkpoint=600",
     "stack_dump": "faulthandler",
     "restart_backoff": 2.5,

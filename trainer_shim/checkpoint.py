@@ -22,7 +22,7 @@ import torch
 
 from trainer_shim import shards
 from trainer_shim.collective import all_reduce_int
-from trainer_shim.staging import SLOTS, STAGING_ENV, Slot, StagingFull, private_copy
+from trainer_shim.staging import SLOTS, STAGING_ENV, Slot, StagingFull
 from trainer_shim.storage import open_storage
 
 log = logging.getLogger("trainer_shim.checkpoint")
@@ -197,8 +197,9 @@ class AsyncCheckpointer:
             if loaded is None:
                 candidates = {s for s in candidates if s < step}
                 continue
-            for name, target in state.items():
-                _restore(target, loaded[name])
+            for name, target in state.items():  # staged views must not outlive this
+                _restore(target, loaded.pop(name), owned=step not in staged)
+            del loaded
             self.restored_from = "shared memory" if step in staged else "storage"
             if step in staged:
                 self._next_slot = staged[step] ^ 1  # keep it until the next save is staged
@@ -208,9 +209,8 @@ class AsyncCheckpointer:
 
     def _read(self, step: int, slot: int | None, verify_all: bool) -> dict[str, Any]:
         if slot is not None:  # staged on this node: no storage read, no checksum needed
-            meta = self._slots[slot].meta()
-            copy = private_copy(self._slots[slot].buffer, meta["nbytes"])
-            tensors = [_tensor(copy, e) for e in meta["tensors"]]  # they keep the copy alive
+            meta = self._slots[slot].meta()  # views of staging: _restore copies them out
+            tensors = [_tensor(self._slots[slot].buffer, e) for e in meta["tensors"]]
             log.info("rank %d restored step %d from shared memory", self.rank, step)
             return _decode(meta["tree"], tensors)
         try:
@@ -384,32 +384,45 @@ def _decode(value: Any, tensors: list[torch.Tensor]) -> Any:
     return value
 
 
-def _with_layout(value: Any, current: Any) -> Any:
-    """Shards become DTensors laid out like the target's current state (plain tensors where
-    the target has none)."""
+def _rebuild(value: Any, current: Any, owned: bool) -> Any:
+    """The loaded tree, made to fit the target's current state: a tensor the target already
+    has (same shape and dtype) is overwritten in place, which is one memcpy into memory the
+    process owns (no page faults, no second copy: a re-entered rank restores at memory
+    speed); any other is kept if ``owned``, else copied out (staging is overwritten later).
+    Shards become DTensors laid out like the target's."""
     if isinstance(value, _Shard):
         dtensor = _dtensor_type()
         if dtensor is not None and isinstance(current, dtensor):
-            return dtensor.from_local(value.local.to(current.device), current.device_mesh,
+            local = _rebuild(value.local, current.to_local(), owned)
+            if local is current.to_local():
+                return current
+            return dtensor.from_local(local.to(current.device), current.device_mesh,
                                       current.placements, run_check=False,
                                       shape=current.shape, stride=current.stride())
-        return value.local
+        return _rebuild(value.local, None, owned)
+    if isinstance(value, torch.Tensor):
+        if (isinstance(current, torch.Tensor) and type(current) is torch.Tensor
+                and current.shape == value.shape and current.dtype == value.dtype):
+            current.copy_(value)
+            return current
+        return value if owned else value.clone()
     if isinstance(value, dict):
         current = current if isinstance(current, dict) else {}
-        return {k: _with_layout(v, current.get(k)) for k, v in value.items()}
+        return {k: _rebuild(v, current.get(k), owned) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         same = isinstance(current, (list, tuple)) and len(current) == len(value)
-        items = [_with_layout(v, current[i] if same else None) for i, v in enumerate(value)]
+        items = [_rebuild(v, current[i] if same else None, owned) for i, v in enumerate(value)]
         return tuple(items) if isinstance(value, tuple) else items
     return value
 
 
-def _restore(target: Any, value: Any) -> None:
+def _restore(target: Any, value: Any, owned: bool) -> None:
     if hasattr(target, "load_state_dict"):
-        target.load_state_dict(_with_layout(value, target.state_dict()))
+        target.load_state_dict(_rebuild(value, target.state_dict(), owned))
     elif isinstance(target, dict):
+        rebuilt = _rebuild(value, dict(target), owned)
         target.clear()
-        target.update(_with_layout(value, None))
+        target.update(rebuilt)
     else:
         raise CheckpointError(f"cannot load into a {type(target).__name__}: pass an object with "
                               "load_state_dict() or a dict")

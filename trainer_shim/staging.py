@@ -133,16 +133,6 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 
-def private_copy(buffer, nbytes: int) -> mmap.mmap:
-    """This process's own copy of staged bytes: a restore must not alias staging, which a
-    later save overwrites. (Faulting in the fresh pages costs more than the copy itself;
-    asking for huge pages was slower still in a fresh process: compaction.)"""
-    copy = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with memoryview(buffer) as src, memoryview(copy) as dst:
-        dst[:nbytes] = src[:nbytes]
-    return copy
-
-
 def create_dir() -> Path:
     """The agent's staging directory (0700), in /dev/shm when there is one."""
     sweep_stale()

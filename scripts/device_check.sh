@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU-only paths, for a machine with an NVIDIA GPU (CI never needs one):
+#   bash scripts/device_check.sh [OUT_DIR]
+# 1. the real NVML backend: every GPU's reading and findings (launcher/gpu_health.py);
+# 2. ftlaunch doctor with its NCCL smoke test;
+# 3. CUDA checkpoint staging (page-locked, asynchronous copies) round trip, timed;
+# 4. a 2-rank NCCL job that survives kill -9 of one rank (rank policy, warm pool).
+set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
+OUT="${1:-${OUT:-/tmp/device_check}}"
+mkdir -p "$OUT"
+cd "$ROOT"
+"$PY" - <<'PY' 2>&1 | tee "$OUT/nvml.txt"
+from launcher.gpu_health import Nvml, assess
+b = Nvml()
+print("driver", b.driver_version(), "cuda", b.cuda_version())
+for s in b.samples():
+    print(s)
+    print("  findings:", [str(f) for f in assess(None, s)] or "none")
+b.close()
+PY
+"$PY" -m launcher doctor --json > "$OUT/doctor.json"; echo "doctor exit $?" | tee -a "$OUT/doctor.json"
+"$PY" - <<'PY' 2>&1 | tee "$OUT/cuda_checkpoint.txt"
+import tempfile, time, torch
+from trainer_shim import staging
+from trainer_shim.checkpoint import AsyncCheckpointer
+state = {f"t{i}": torch.randn(64 << 20, device="cuda") for i in range(16)}  # 4 GiB
+root, shm = tempfile.mkdtemp(), staging.create_dir()
+ckpt = AsyncCheckpointer(root, staging_dir=str(shm))
+for step in (1, 2, 3):
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    ckpt.save(step, s=state)
+    print(f"save {step}: blocked {time.perf_counter() - t0:.3f}s for 4 GiB from the GPU")
+ckpt.wait()
+fresh = AsyncCheckpointer(root, staging_dir=str(shm)); out = {}
+t0 = time.perf_counter(); step = fresh.load_latest(s=out)
+print(f"restore step {step} from {fresh.restored_from}: {time.perf_counter() - t0:.3f}s")
+assert all(torch.equal(out[k], state[k].cpu()) for k in state)
+print("bitwise equal")
+PY
+TRAIN_FAULT_RANK=1 TRAIN_FAULT_STEP=30 TRAIN_FAULT_KIND=kill timeout 300 \
+  "$PY" -m launcher --standalone --nproc-per-node 2 --log-dir "$OUT/logs" \
+  scripts/train_gpt.py --shim --cuda --async-ckpt --steps 60 --ckpt-every 10 \
+  --ckpt-dir "$OUT/ckpt" \
+  2>&1 | grep -v " loss " | tee "$OUT/recovery.txt"
