@@ -6,7 +6,9 @@ killed-and-resumed run end bit-identical to an uninterrupted one, and env-contro
 fault injection (TRAIN_FAULT_RANK / TRAIN_FAULT_STEP / TRAIN_FAULT_KIND: kill, segv, exit,
 exception, stop, hang, spin) that fires only in the first attempt (TORCHELASTIC_RESTART_COUNT
 unset or "0") unless TRAIN_FAULT_EVERY_ATTEMPT is set; TRAIN_STUCK_RANK blocks that rank for
-good at the same step. --shim runs the same training through trainer_shim.
+good at the same step. --shim runs the same training through trainer_shim (and stops at
+ft.preempted(), saving first); --async-ckpt checkpoints through its AsyncCheckpointer
+(every rank its own state; --persist-every); --cuda puts each rank on its GPU with NCCL.
 
 Note: with torch's own torchrun (torch 2.13), gloo workers restarted via --max-restarts hang
 or fail in connectFullMesh on stale keys in the shared rendezvous TCPStore

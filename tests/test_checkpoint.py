@@ -3,6 +3,7 @@ rank's shard is durable, damage detected, kill -9 at any instant never tears the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -116,13 +117,21 @@ def test_unsupported_values_get_a_clear_error(tmp_path):
     ckpt.close()
 
 
-def test_a_full_disk_fails_the_save_clearly_and_commits_nothing(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+@contextlib.contextmanager
+def _small_tmpfs(path, size):
+    """A real file system that fills up: a tmpfs of ``size`` mounted at ``path``."""
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+def test_a_full_disk_fails_the_save_clearly_and_commits_nothing(tmp_path):
+    with _small_tmpfs(tmp_path / "small", "256k") as mount:
         ckpt = AsyncCheckpointer(mount)
         ckpt.save(1, state={"x": torch.ones(1000)})
         ckpt.wait()
@@ -136,8 +145,6 @@ def test_a_full_disk_fails_the_save_clearly_and_commits_nothing(tmp_path):
         restored: dict = {}
         assert ckpt.load_latest(state=restored) == 3 and restored["x"][0] == 3.0
         ckpt.close()
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 SAVER = textwrap.dedent("""
@@ -235,12 +242,7 @@ def test_the_agent_persists_what_dead_ranks_staged(tmp_path):
 
 
 def test_full_staging_memory_is_a_clear_error_and_training_goes_on(tmp_path):
-    mount = tmp_path / "shm"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
+    with _small_tmpfs(tmp_path / "shm", "1m") as mount:
         ckpt = AsyncCheckpointer(tmp_path / "ckpt", staging_dir=str(mount))
         with pytest.raises(CheckpointError, match=r"enlarge /dev/shm.*--shm-size"):
             ckpt.save(1, state={"x": torch.ones(1 << 20)})  # 4 MiB into 1 MiB
@@ -248,8 +250,6 @@ def test_full_staging_memory_is_a_clear_error_and_training_goes_on(tmp_path):
         ckpt.wait()
         assert ckpt.committed_steps() == [2]
         ckpt.close()
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 def test_keep_every_mth_step_beside_the_last_k(tmp_path):
