@@ -1,6 +1,7 @@
 """The demo: 4 ranks train a tiny GPT under ftlaunch with trainer_shim; once the warm pool is
 ready one rank is killed with SIGKILL; the three survivors re-enter in place, a warm
-interpreter replaces the dead one, all resume from the checkpoint, and the job finishes.
+interpreter replaces the dead one, all resume from the last asynchronous checkpoint (from
+the shared memory the agent owns, not from disk), and the job finishes.
 Run it with scripts/demo.sh."""
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def main() -> int:
     cmd = [sys.executable, "-m", "launcher", "--standalone", "--nproc-per-node", "4",
            "--log-dir", str(work / "logs"), str(ROOT / "scripts" / "train_gpt.py"),
            "--steps", str(STEPS), "--ckpt-every", "10", "--log-every", "10", "--step-time", "0.03",
-           "--ckpt-dir", str(work / "ckpt"), "--out", str(work / "result.json"), "--shim"]
+           "--ckpt-dir", str(work / "ckpt"), "--out", str(work / "result.json"), "--shim",
+           "--async-ckpt"]
     print(f"$ ftlaunch {' '.join(cmd[3:])}\n", flush=True)
     agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})

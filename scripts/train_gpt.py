@@ -240,7 +240,8 @@ def train(ctx, args, shim):
         if step % args.log_every == 0:
             log(f"step {step} loss {loss_val:.4f} rank {rank}")
         heartbeat(step)
-        if shim and shim.preempted():  # SIGTERM: save now, leave within the grace period
+        # SIGTERM: save, then leave within the grace period (a collective: same steps everywhere)
+        if shim and step % 10 == 0 and shim.preempted():
             log(f"preempted at step {step} rank {rank}")
             if checkpointer:
                 checkpointer.save(step, model=model, optim=opt, extra={
