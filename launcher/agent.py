@@ -160,7 +160,7 @@ class Agent:
         elif msg.type == "committed":
             self.committed_step = msg["step"]
             self.events.emit("checkpoint_committed", f"checkpoint step {msg['step']} committed "
-                             "(every rank's shard durable)", step=msg["step"])
+                             "(every rank's shard durable)", console=False, step=msg["step"])
             for rank in self.workers.alive():
                 self.hub.send(rank.proc.pid, "committed", step=msg["step"])
         elif msg.type == "stop":

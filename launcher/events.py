@@ -18,9 +18,12 @@ class EventLog:
         self.path = path
         self._file = path.open("a", buffering=1)
 
-    def emit(self, kind: str, text: str, **fields) -> None:
-        """Record ``kind`` with ``fields``; show ``text`` to the person watching."""
+    def emit(self, kind: str, text: str, console: bool = True, **fields) -> None:
+        """Record ``kind`` with ``fields``; show ``text`` to the person watching (unless it
+        is routine, like every checkpoint commit)."""
         self._file.write(json.dumps({"ts": time.time(), "event": kind, **fields}) + "\n")
+        if not console:
+            return
         style = "bold red" if kind in ("rank_failed", "job_failed") else "bold"
         _CONSOLE.print(Text.assemble(("ftlaunch: ", style), text))
 

@@ -240,8 +240,9 @@ def train(ctx, args, shim):
         if step % args.log_every == 0:
             log(f"step {step} loss {loss_val:.4f} rank {rank}")
         heartbeat(step)
-        # SIGTERM: save, then leave within the grace period (a collective: same steps everywhere)
-        if shim and step % 10 == 0 and shim.preempted():
+        # SIGTERM: save, then leave within the grace period. A collective, so at the same steps
+        # everywhere; the first call (first step) arms the handler.
+        if shim and (step % 10 == 0 or step == start + 1) and shim.preempted():
             log(f"preempted at step {step} rank {rank}")
             if checkpointer:
                 checkpointer.save(step, model=model, optim=opt, extra={
