@@ -361,6 +361,7 @@ class Agent:
             holding = self.dead_pids & self.health.processes()
             if not holding or time.monotonic() >= deadline:
                 break
+            self.control.heartbeat_if_due(time.monotonic())  # still alive to the coordinator
             time.sleep(0.05)
         if holding:
             self.events.emit("gpu_memory_held", f"dead ranks {sorted(holding)} still hold GPU "

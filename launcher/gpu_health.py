@@ -19,6 +19,7 @@ scenario behind the same interface. No GPU is a normal case: ``NoGpu``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -266,7 +267,9 @@ class FakeNvml:
     "events": [{"after": seconds, "gpu": i, "set": {Sample field: value}}]}``; an event
     applies once ``after`` seconds passed since the backend opened, or, with ``"when":
     PATH`` instead, once that file exists (a test injects a finding at a chosen moment).
-    ``"gpus": 0`` acts as a machine without a GPU. ``xids`` in an event are reported once."""
+    ``"gpus": 0`` acts as a machine without a GPU. ``xids`` in an event are reported once.
+    ``"pids_file": PATH``: the pids listed there (one a line, read at every reading) hold
+    memory on GPU 0, as a dead rank's do until its CUDA context is torn down."""
 
     path: str
     opened: float = field(default_factory=time.monotonic)
@@ -303,6 +306,9 @@ class FakeNvml:
             gpu = event.get("gpu", 0)
             state[gpu] = replace(state[gpu], **changes)
         self._state = [replace(s, xids=()) for s in state]
+        if "pids_file" in self._scenario:
+            with contextlib.suppress(OSError), open(self._scenario["pids_file"]) as f:
+                state[0] = replace(state[0], pids=tuple(int(x) for x in f.read().split()))
         return state
 
     def close(self) -> None:

@@ -175,3 +175,34 @@ def test_monitor_wakes_the_agent_and_tracks_who_holds_gpu_memory(tmp_path, monke
     monkeypatch.setenv("FTLAUNCH_FAKE_NVML", _scenario(tmp_path, "none", [], gpus=0))
     assert HealthMonitor.start(interval=5)[0] is None
     assert HealthMonitor.start(interval=0)[1] == "GPU health monitoring off (--health-interval 0)"
+
+
+@pytest.mark.parametrize("released", [True, False], ids=["released", "held"])
+def test_replacements_wait_until_dead_ranks_gpu_memory_is_released(tmp_path, launch, released):
+    """The dead rank's pid still "holds GPU memory" (fake NVML): its replacement starts only
+    once that is released; if it never is, after --gpu-release-timeout, with an event."""
+    import time
+
+    holders = tmp_path / "gpu-pids"
+    path = tmp_path / "procs.json"
+    path.write_text(json.dumps({"gpus": 1, "pids_file": str(holders)}))
+    run = launch("--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+                 "--gpu-release-timeout", "60" if released else "1", TRAIN, "--steps", "60",
+                 "--step-time", "0.05", "--ckpt-every", "10", "--ckpt-dir", str(tmp_path / "ck"),
+                 "--shim", env={"FTLAUNCH_FAKE_NVML": str(path), "TRAIN_FAULT_RANK": "1",
+                                "TRAIN_FAULT_STEP": "15", "TRAIN_FAULT_KIND": "exit"})
+    pid = int(run.wait_for(r"\[rank1\]: start rank 1 world 2 pid (\d+)", timeout=120).group(1))
+    holders.write_text(f"{pid}\n")
+    run.wait_for(r"-> rank restart 1", timeout=120)  # the failure is being recovered
+    if released:
+        time.sleep(0.5)  # not a synchronisation: room for a wrong, early restart to show
+        cleared_at = time.time()
+        holders.write_text("")
+    assert run.finish(180) == 0, run.output
+    events = _events(tmp_path / "logs")
+    recovered = next(e for e in events if e["event"] == "recovered")
+    held = [e for e in events if e["event"] == "gpu_memory_held"]
+    if released:
+        assert recovered["ts"] >= cleared_at and not held, run.output
+    else:
+        assert held and held[0]["pids"] == [pid], run.output
