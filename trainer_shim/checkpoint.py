@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from trainer_shim import shards
+from trainer_shim import collective, shards
 from trainer_shim.collective import all_reduce_int
 from trainer_shim.staging import SLOTS, STAGING_ENV, Slot, StagingFull
 from trainer_shim.storage import open_storage
@@ -282,9 +282,8 @@ def _tensor(buffer, entry: dict) -> torch.Tensor:
 
 def _group(world_size: int) -> bool:
     """Whether the ranks can agree through torch.distributed (initialized, same world)."""
-    dist = torch.distributed
-    return (world_size > 1 and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size() == world_size)
+    return (world_size > 1 and collective.initialized()
+            and torch.distributed.get_world_size() == world_size)
 
 
 def _all(flag: bool) -> bool:
