@@ -353,7 +353,8 @@ class Agent:
     def _wait_gpu_memory_released(self) -> None:
         """Replacements must not start on a GPU whose memory dead ranks still hold (their
         CUDA contexts tear down after the process is reaped); bounded."""
-        if self.health is None or not self.dead_pids:
+        if self.health is None:
+            self.dead_pids.clear()  # nothing to wait for: do not let it grow
             return
         deadline = time.monotonic() + self.config.gpu_release_timeout
         while True:
