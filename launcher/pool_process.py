@@ -10,6 +10,7 @@ passed file descriptors. It then turns into that rank exactly as ``python -u SCR
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import importlib
@@ -17,6 +18,8 @@ import os
 import runpy
 import socket
 import sys
+
+from launcher.rank_exit import settle_gloo_workers
 
 STACK_SIGNAL_ENV = "FTLAUNCH_STACK_SIGNAL"
 STACKS_FILE_ENV = "FTLAUNCH_STACKS_FILE"
@@ -50,6 +53,7 @@ def become(order: dict, fds: list[int]) -> None:
     os.environ.update(order["env"])
     os.chdir(order["cwd"])
     register_stack_dump()
+    atexit.register(settle_gloo_workers)  # before the script's own: it runs after them
     argv = order["argv"]
     if order["module"]:
         sys.argv = [argv[0], *argv[1:]]

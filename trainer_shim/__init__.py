@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+from trainer_shim import shutdown
+
 __all__ = ["AsyncCheckpointer", "CheckpointError", "DistributedState", "RestartContext", "RestartRequested",
            "heartbeat", "is_managed",
            "load_state_dict", "restartable", "section", "state_dict"]
@@ -48,7 +50,17 @@ def _connect():
         return None
     from trainer_shim.agent_link import AgentLink
 
-    return AgentLink(os.environ[HUB_ENV])
+    link = AgentLink(os.environ[HUB_ENV])
+    shutdown.at_exit(_disconnect)
+    return link
+
+
+def _disconnect() -> None:
+    """At exit: stop talking to the agent (later heartbeats are no-ops)."""
+    global _link
+    link, _link = _link, None
+    if link is not None:
+        link.close()
 
 
 _link = _connect()

@@ -50,8 +50,10 @@ class AgentLink:
         self._reports_lock = threading.Lock()
         self.committed_step = int(os.environ.get(RESUME_STEP_ENV, -1))
         self._next_tick = 0.0
+        self._wake_r, self._wake_w = os.pipe()  # close() wakes the listener through it
         self._commands.send(pack_local("hello", pid=self.pid, stacks=self.stacks))
-        threading.Thread(target=self._listen, name="ftlaunch-shim", daemon=True).start()
+        self._listener = threading.Thread(target=self._listen, name="ftlaunch-shim", daemon=True)
+        self._listener.start()
 
     def _connect(self) -> zmq.Socket:
         sock = self._context.socket(zmq.DEALER)
@@ -91,13 +93,29 @@ class AgentLink:
         """Block until the agent says how to re-enter (it kills us if we are not needed)."""
         return self._resume.get()
 
+    def close(self) -> None:
+        """Stop and join the listener, then close the sockets (at exit: a thread cut off
+        mid-poll by finalization could die inside native code). Pending reports get the
+        sockets' linger to reach the agent."""
+        if self._listener.is_alive():
+            os.write(self._wake_w, b"x")
+            self._listener.join(timeout=2 * TICK_INTERVAL + 1)
+        if not self._listener.is_alive():  # never close a socket its thread still uses
+            self._context.destroy(linger=200)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
     def _listen(self) -> None:
         """Obey the agent's commands; tick meanwhile, so the agent can tell a rank blocked in
         a collective (this thread still runs) from a frozen one (it does not)."""
         poller = zmq.Poller()
         poller.register(self._commands, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         while True:
-            if poller.poll(TICK_INTERVAL * 1000):
+            ready = dict(poller.poll(TICK_INTERVAL * 1000))
+            if self._wake_r in ready:
+                return
+            if ready:
                 try:
                     msg = unpack_local(self._commands.recv())
                 except Exception:

@@ -15,12 +15,13 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from trainer_shim import collective, shards
+from trainer_shim import collective, shards, shutdown
 from trainer_shim.collective import all_reduce_int
 from trainer_shim.staging import SLOTS, STAGING_ENV, Slot, StagingFull
 from trainer_shim.storage import open_storage
@@ -60,8 +61,11 @@ class AsyncCheckpointer:
         staged = self.staged_steps()
         self._next_slot = staged[max(staged)] ^ 1 if staged else 0
         self._writer: threading.Thread | None = None
+        self._sizer: threading.Thread | None = None
         self._error: BaseException | None = None
         self.restored_from = "nothing"  # by load_latest: "shared memory" or "storage"
+        this = weakref.ref(self)  # a script that never calls close() still gets its saves
+        shutdown.at_exit(lambda: (c := this()) is not None and c.close())
 
     # --- saving --------------------------------------------------------------------------
 
@@ -98,10 +102,11 @@ class AsyncCheckpointer:
         self._raise_writer_error()
 
     def close(self) -> None:
+        """Finish every save (durable, or its error raised) and join the background threads;
+        run at exit too, so no thread of ours outlives the interpreter."""
         self.wait()
-        for busy in self._busy:
-            if busy is not None:
-                busy.wait()
+        if self._sizer is not None:
+            self._sizer.join()
         for slot in self._slots:
             slot.close()
 
@@ -125,7 +130,8 @@ class AsyncCheckpointer:
             finally:
                 ready.set()
 
-        threading.Thread(target=size, name="ftlaunch-ckpt-size", daemon=True).start()
+        self._sizer = threading.Thread(target=size, name="ftlaunch-ckpt-size", daemon=True)
+        self._sizer.start()
 
     def _persist(self, index, meta, busy, previous) -> None:
         try:
@@ -225,7 +231,7 @@ class AsyncCheckpointer:
 
 def _report_durable(rank: int, step: int) -> None:
     """Tell the agent (which tells the coordinator, which commits once every rank has)."""
-    link = sys.modules["trainer_shim"]._link
+    link = getattr(sys.modules["trainer_shim"], "_link", None)
     if link is not None:
         link.report("durable", rank=rank, step=step)
 

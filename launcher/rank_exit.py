@@ -1,0 +1,68 @@
+"""Let torch.distributed's gloo worker threads finish before the interpreter finalizes.
+
+Since torch 2.13 every c10d Work issued inside ``backward()`` (DDP's and FSDP's gradient
+reductions) holds the autograd engine's ``contextvars.Context`` in its thread-local state,
+and the gloo worker that drops the last reference to a finished Work takes the GIL to
+release it. If that happens only after finalization began, CPython ends the thread with
+pthread_exit, whose unwinding through torch's noexcept destructor is ``std::terminate``:
+the rank, its work done, dies of SIGABRT ("terminate called without an active exception")
+and is counted as failed. Before finalization, the main thread releases the GIL until no
+gloo worker is runnable, so any such release is done. Used by the shim at exit and by warm-pool
+processes (unmodified scripts). Torch-free and launcher-free: it runs in every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+SETTLE_TIMEOUT = 1.0
+"""Longest wait for gloo's workers at exit; they need microseconds unless starved of CPU."""
+
+GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+
+
+def settle_gloo_workers(timeout: float = SETTLE_TIMEOUT) -> bool:
+    """Release the GIL until no gloo worker thread is runnable, seen twice in a row (a
+    worker waiting for the GIL takes it as soon as we sleep, so it shows as runnable until it
+    is done). True once settled; also True when torch.distributed is not in use."""
+    if "torch.distributed" not in sys.modules:
+        return True
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while quiet < 2:
+        workers = _threads_named(GLOO_WORKER)
+        if not workers:
+            return True
+        time.sleep(0.002)
+        quiet = 0 if any(_runnable(tid) for tid in workers) else quiet + 1
+        if time.monotonic() > deadline:
+            return False
+    return True
+
+
+def _threads_named(name: str) -> list[str]:
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:  # no procfs (macOS): nothing to look at
+        return []
+    found = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == name:
+                    found.append(tid)
+        except OSError:
+            continue  # the thread ended meanwhile
+    return found
+
+
+def _runnable(tid: str) -> bool:
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("R", "D")
+
