@@ -99,7 +99,8 @@ class Agent:
         return JobState(self.min_nodes, self.max_nodes, c.max_restarts, c.restart_policy,
                         c.restart_backoff, c.restart_backoff_max, c.exit_barrier_timeout,
                         c.node_timeout, self.last_call_timeout, self.join_timeout,
-                        host_node=self.node_id, max_stalled=c.max_stalled_recoveries)
+                        host_node=self.node_id, max_stalled=c.max_stalled_recoveries,
+                        healthy_after=c.healthy_interval)
 
     # --- the main loop: read top to bottom ---------------------------------------------------
 

@@ -109,10 +109,18 @@ class LaunchConfig:
     gpu_release_timeout: float = _opt(10.0, "Seconds to wait for dead ranks' GPU memory to be "
                                       "released before their replacements start.",
                                       group=RECOVERY)
-    restart_backoff: float = _opt(1.0, "Seconds before the 2nd restart, doubling after; the "
-                                  "1st restart is immediate.", group=RECOVERY)
+    restart_backoff: float = _opt(1.0, "Seconds to wait before restarting after the 2nd "
+                                  "failure in a row, doubling with each further one; failures "
+                                  "in a row are those with no healthy training in between (no "
+                                  "new best step; without trainer_shim, ranks up less than "
+                                  "--healthy-interval). The 1st is restarted at once.",
+                                  group=RECOVERY)
     restart_backoff_max: float = _opt(30.0, "Longest wait between restarts, seconds.",
                                       group=RECOVERY)
+    healthy_interval: float = _opt(20.0, "Seconds ranks must stay up for a failure to count as "
+                                   "the first after healthy training (restarted at once, the "
+                                   "backoff reset) when trainer_shim reports no steps.",
+                                   group=RECOVERY)
     grace_period: float = _opt(60.0, "Seconds ranks get to exit after a forwarded signal before "
                                "SIGKILL.", group=RECOVERY)
     stop_timeout: float = _opt(2.0, "Seconds survivors get to exit when a recovery stops them.",
@@ -283,7 +291,8 @@ class LaunchConfig:
         if self.heartbeat_interval <= 0 or self.node_timeout <= self.heartbeat_interval:
             raise UsageError("--node-timeout must exceed --heartbeat-interval, which must be > 0")
         self.rdzv_timeouts()
-        for name in ("restart_backoff", "restart_backoff_max", "grace_period", "stop_timeout",
+        for name in ("restart_backoff", "restart_backoff_max", "healthy_interval", "grace_period",
+                     "stop_timeout",
                      "exit_barrier_timeout", "monitor_interval", "hang_timeout",
                      "hang_timeout_factor", "startup_timeout", "health_interval",
                      "gpu_release_timeout"):

@@ -42,11 +42,13 @@ class JobState:
     join_timeout: float
     host_node: str  # the agent running this coordinator: alive by definition
     max_stalled: int = 0
+    healthy_after: float = 0.0  # seconds up after which an attempt's failure is a first one
     epoch: int = 0
     restart_count: int = 0
     progress: recovery.Progress = field(default_factory=recovery.Progress)
     current_policy: str = ""  # the rung of the last recovery
     phase: str = "joining"  # joining -> waiting_store -> running -> (joining | done)
+    running_since: float | None = None  # when the current attempt's ranks were started
     members: dict[str, membership.Member] = field(default_factory=dict)
     standby_ports: dict[str, int] = field(default_factory=dict)
     identities: dict[str, bytes] = field(default_factory=dict)
@@ -176,11 +178,12 @@ class Coordinator:
             s.last_seen[node] = now
         if msg.type == "store_ready" and s.phase == "waiting_store":
             s.phase = "running"
+            s.running_since = now
             self._broadcast_round("start", master_addr=msg["master_addr"],
                                   master_port=msg["master_port"], restart_count=s.restart_count)
         elif msg.type == "failure" and s.phase == "running":
-            s.progress = s.progress.after_failure(msg["step"])
-            self._recover_from(f"rank {msg['rank']} (node {node}) {msg['cause']}", now)
+            self._recover_from(f"rank {msg['rank']} (node {node}) {msg['cause']}", now,
+                               step=msg["step"])
         elif msg.type == "finished" and s.phase == "running":
             s.finished.add(node)
             s.first_finished_at = s.first_finished_at or now
@@ -215,8 +218,12 @@ class Coordinator:
 
     # --- decisions -----------------------------------------------------------------------
 
-    def _recover_from(self, cause: str, now: float) -> None:
+    def _recover_from(self, cause: str, now: float, step: int = -1) -> None:
+        """``step``: the highest step the failed attempt reported (-1: unknown)."""
         s = self._state
+        uptime = now - s.running_since if s.running_since is not None else None
+        s.progress = s.progress.after_failure(step, uptime, s.healthy_after)
+        s.running_since = None
         decision = recovery.decide(s.restart_count, s.max_restarts, s.policy, cause,
                                    s.backoff, s.backoff_max, s.progress, s.max_stalled)
         if decision.action == "fail":

@@ -16,15 +16,17 @@ class Decision:
     reason: str
 
 
-def backoff_delay(restart_count: int, base: float, cap: float) -> float:
-    """Seconds to wait before restart number ``restart_count`` (1-based).
+def backoff_delay(failing: int, base: float, cap: float) -> float:
+    """Seconds to wait before the restart that answers the ``failing``-th failure in a row
+    without the job getting healthy in between (see ``Progress.after_failure``).
 
-    The first restart is immediate (a one-off fault should cost nothing); from the second on
-    the wait doubles from ``base`` up to ``cap``, so a crash loop does not spin.
+    A backoff stops a crash loop; it must not punish a job for a failure hours after the
+    last one. So the first failure after healthy training is recovered at once, and only
+    failures that follow each other without health wait ``base``, doubling up to ``cap``.
     """
-    if restart_count <= 1:
+    if failing <= 1:
         return 0.0
-    return min(cap, base * 2 ** (restart_count - 2))
+    return min(cap, base * 2 ** (failing - 2))
 
 
 def escalate(first: str, stalled: int) -> str:
@@ -35,18 +37,26 @@ def escalate(first: str, stalled: int) -> str:
 
 @dataclass(frozen=True)
 class Progress:
-    """The best step the job reached, and recoveries since it last got further."""
+    """The best step the job reached, recoveries since it last got further (``stalled``: the
+    ladder's measure), and failures in a row without the job being healthy in between
+    (``failing``: the backoff's)."""
 
     best_step: int = -1
     stalled: int = 0
+    failing: int = 0
 
-    def after_failure(self, step: int) -> Progress:
-        """``step``: the highest step the failed attempt reported (-1: it never said)."""
-        if step < 0:
-            return self  # no shim heartbeats, or a lost node: progress unknown
+    def after_failure(self, step: int, uptime: float | None = None,
+                      healthy_after: float = 0.0) -> Progress:
+        """``step``: the highest step the failed attempt reported (-1: it never said, as
+        without the shim or when a node is lost); ``uptime``: how long its ranks had run
+        (None: unknown). The attempt was healthy if it got past the best step, or, when its
+        step is unknown, if it ran ``healthy_after`` seconds; a healthy attempt's failure is
+        the first of a new run of failures."""
         if step > self.best_step:
-            return Progress(step, 0)
-        return Progress(self.best_step, self.stalled + 1)
+            return Progress(step, 0, 1)
+        healthy = step < 0 and (uptime is None or uptime >= healthy_after)
+        stalled = self.stalled if step < 0 else self.stalled + 1
+        return Progress(self.best_step, stalled, 1 if healthy else self.failing + 1)
 
 
 def decide(restart_count: int, max_restarts: int, policy: str, cause: str,
@@ -60,6 +70,5 @@ def decide(restart_count: int, max_restarts: int, policy: str, cause: str,
     if restart_count >= max_restarts:
         reason = f"{cause}; restart budget spent ({restart_count}/{max_restarts})"
         return Decision("fail", policy, restart_count, 0.0, reason)
-    n = restart_count + 1
-    return Decision("restart", escalate(policy, progress.stalled), n,
-                    backoff_delay(n, backoff, backoff_max), cause)
+    return Decision("restart", escalate(policy, progress.stalled), restart_count + 1,
+                    backoff_delay(progress.failing, backoff, backoff_max), cause)

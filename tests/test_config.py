@@ -64,6 +64,7 @@ VALID = {
     "stack_dump": "faulthandler",
     "restart_backoff": 2.5,
     "restart_backoff_max": 10.0,
+    "healthy_interval": 7.0,
     "grace_period": 5.0,
     "stop_timeout": 1.5,
     "exit_barrier_timeout": 100.0,

@@ -108,9 +108,11 @@ def test_backoff_delay_schedule():
 
 
 def test_decide_restarts_while_budget_lasts_then_fails():
-    count, decisions = 0, []
-    while True:
-        d = recovery.decide(count, 4, "cold", "rank 0 died", backoff=2.0, backoff_max=5.0)
+    count, decisions, progress = 0, [], recovery.Progress()
+    while True:  # a crash loop: every attempt dies 0.1 s after its start, steps unknown
+        progress = progress.after_failure(-1, uptime=0.1, healthy_after=10.0)
+        d = recovery.decide(count, 4, "cold", "rank 0 died", backoff=2.0, backoff_max=5.0,
+                            progress=progress)
         decisions.append(d)
         if d.action == "fail":
             break
@@ -133,18 +135,53 @@ def test_decide_zero_budget_fails_at_once():
 
 
 def test_decide_default_backoff():
-    assert recovery.decide(1, 3, "cold", "x").delay == 1.0
-    assert recovery.decide(2, 100, "cold", "x").delay == 2.0
-    assert recovery.decide(40, 100, "cold", "x").delay == 30.0
+    def failing(n):
+        return recovery.Progress(failing=n)
+
+    assert recovery.decide(1, 3, "cold", "x", progress=failing(1)).delay == 0.0
+    assert recovery.decide(1, 3, "cold", "x", progress=failing(2)).delay == 1.0
+    assert recovery.decide(2, 100, "cold", "x", progress=failing(3)).delay == 2.0
+    assert recovery.decide(40, 100, "cold", "x", progress=failing(40)).delay == 30.0
+    assert recovery.decide(40, 100, "cold", "x", progress=failing(1)).delay == 0.0, \
+        "restart 41, but the first failure after healthy training: at once"
+
+
+# One failure of an attempt: (the step it reported, -1 = unknown; seconds its ranks were up).
+FAILURES = st.lists(st.tuples(st.integers(-1, 30), st.floats(0, 100)), max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(FAILURES, st.floats(0.1, 10), st.floats(0.1, 100), st.floats(1, 60))
+def test_backoff_waits_only_for_failures_in_a_row_without_healthy_training(
+        history, base, cap, healthy_after):
+    """The first failure after healthy training (a new best step; with the step unknown,
+    ranks up for healthy_after) restarts at once; each further failure in a row without
+    health waits base, doubling up to cap; health resets it, however many restarts came
+    before."""
+    progress, best, in_a_row = recovery.Progress(), -1, 0
+    for count, (step, uptime) in enumerate(history):
+        healthy = step > best if step >= 0 else uptime >= healthy_after
+        best = max(best, step)
+        in_a_row = 1 if healthy else in_a_row + 1
+        progress = progress.after_failure(step, uptime, healthy_after)
+        d = recovery.decide(count, 1000, "rank", "c", base, cap, progress)
+        assert progress.failing == in_a_row
+        if healthy or in_a_row == 1:  # the first failure of the job, too
+            assert d.delay == 0.0
+        else:
+            assert d.delay == min(cap, base * 2 ** (in_a_row - 2))
+        assert 0.0 <= d.delay <= cap
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 50), st.integers(0, 50), st.floats(0, 100), st.floats(0, 100))
-def test_decide_properties(count, budget, base, cap):
-    d = recovery.decide(count, budget, "cold", "c", base, cap)
+@given(st.integers(0, 50), st.integers(0, 50), st.floats(0, 100), st.floats(0, 100),
+       st.integers(0, 50))
+def test_decide_properties(count, budget, base, cap, failing):
+    progress = recovery.Progress(failing=failing)
+    d = recovery.decide(count, budget, "cold", "c", base, cap, progress)
     if count < budget:
         assert d.action == "restart" and d.restart_count == count + 1
-        assert d.delay == recovery.backoff_delay(count + 1, base, cap)
+        assert d.delay == recovery.backoff_delay(failing, base, cap)
         assert 0.0 <= d.delay <= max(cap, 0.0)
     else:
         assert d.action == "fail" and d.restart_count == count and d.delay == 0.0

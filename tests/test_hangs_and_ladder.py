@@ -105,8 +105,9 @@ def test_progress_counts_recoveries_without_a_new_best_step():
     assert (p.best_step, p.stalled) == (12, 0)
     p = p.after_failure(12).after_failure(9)
     assert (p.best_step, p.stalled) == (12, 2)
-    assert p.after_failure(-1) == p  # unknown (no shim, lost node): neither way
-    assert p.after_failure(13) == recovery.Progress(13, 0)
+    unknown = p.after_failure(-1)  # no shim, lost node: neither way for the ladder
+    assert (unknown.best_step, unknown.stalled) == (12, 2)
+    assert p.after_failure(13) == recovery.Progress(13, 0, failing=1)
 
 
 def test_decide_escalates_and_stops_with_do_not_requeue_when_stalled():

@@ -320,3 +320,35 @@ def test_commits_are_announced_once_every_rank_is_durable(request, tmp_path, lau
                        r"\([^)]+\) agents_committed (\S+)", run.output)
     assert known and known[-1] in (str(expected), str(expected - CKPT_EVERY)), \
         f"the replacement knew the newest committed step; {context}"
+
+
+FAILS_AFTER = """
+import os, sys, time
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if attempt >= int(os.environ["FAILING_ATTEMPTS"]):
+    sys.exit(0)
+time.sleep(float(os.environ["UP_FOR"]))
+if os.environ["RANK"] == "1":
+    sys.exit(1)  # the fault
+time.sleep(120)  # rank 0 is stopped by the recovery
+"""
+
+
+@pytest.mark.parametrize("up_for, delays", [(1.5, [0.0, 0.0, 0.0]), (0.0, [0.0, 0.4, 0.8])],
+                         ids=["failures spread over healthy training", "crash loop"])
+def test_backoff_only_for_failures_in_a_row_without_healthy_training(
+        up_for, delays, tmp_path, launch):
+    """Unmodified ranks (no shim: health is time up, --healthy-interval): three failures
+    each after healthy training are all restarted at once; three at start-up back off."""
+    script = tmp_path / "fails_after.py"
+    script.write_text(FAILS_AFTER)
+    logs = tmp_path / "logs"
+    run = launch("--standalone", "--nproc-per-node", "2", "--no-warm-pool", "--log-dir",
+                 str(logs), "--healthy-interval", "1", "--restart-backoff", "0.4",
+                 "--max-restarts", "5", str(script),
+                 env={"FAILING_ATTEMPTS": "3", "UP_FOR": str(up_for)})
+    assert run.finish(120) == 0, run.output
+    recovering = [e for e in _events(logs) if e["event"] == "recovering"]
+    assert [e["delay"] for e in recovering] == delays, run.output
+    recovered = [e for e in _events(logs) if e["event"] == "recovered"]
+    assert len(recovered) == 3, run.output
