@@ -38,10 +38,6 @@ from launcher.workers import OutputPlan, Program, Rank, RankExit, WorkerGroup, r
 from trainer_shim import staging
 from trainer_shim.agent_link import RESUME_STEP_ENV
 
-POOL_FILL_AFTER = 30.0
-"""The warm pool (re)fills once every local rank sent its first heartbeat (its start-up is
-over), or this many seconds after the ranks started (scripts without trainer_shim): its
-imports must not compete with the ranks' own."""
 HANG_CHECK_INTERVAL = 0.1
 
 log = logging.getLogger("ftlaunch.agent")
@@ -194,7 +190,7 @@ class Agent:
             self.hub.links[rank.proc.pid].stacks = warm is not None  # armed by the pool
             sources["warm" if warm else "fresh"].append(rank.rank)
         self.first_failure = None
-        self.pool_fill_at = now + POOL_FILL_AFTER
+        self.pool_fill_at = now + self.config.warm_pool_after  # or at every rank's first beat
         if self.recovery is not None:
             self.recovery.mark("spawn")
             phases = ", ".join(f"{k} {v:.3f}s" for k, v in self.recovery.phases.items())

@@ -90,6 +90,10 @@ class LaunchConfig:
                               "replace failed ranks.", group=RECOVERY)
     preload: str = _opt(DEFAULT_PRELOAD, "Modules the warm pool imports ahead of time.",
                         group=RECOVERY)
+    warm_pool_after: float = _opt(30.0, "Seconds after the ranks start before the warm pool "
+                                  "fills, when they do not all heartbeat through trainer_shim "
+                                  "sooner (the pool must not compete with their start-up).",
+                                  group=RECOVERY)
     hang_timeout: float = _opt(300.0, "Seconds without a trainer_shim heartbeat before a rank "
                                "is declared hung; 0 = never.", group=RECOVERY)
     hang_timeout_factor: float = _opt(0.0, "When > 0, learn the hang timeout: this factor times "
@@ -295,7 +299,7 @@ class LaunchConfig:
                      "stop_timeout",
                      "exit_barrier_timeout", "monitor_interval", "hang_timeout",
                      "hang_timeout_factor", "startup_timeout", "health_interval",
-                     "gpu_release_timeout"):
+                     "gpu_release_timeout", "warm_pool_after"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 0 seconds")
         for f in dataclasses.fields(self):

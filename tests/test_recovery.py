@@ -160,7 +160,8 @@ def test_unmodified_script_restarts_from_the_warm_pool(request, tmp_path, launch
     """No shim at all (a plain torchrun script): the default policy replaces every rank with a
     warm interpreter, and the pool's processes are gone when the job ends (the fixture checks)."""
     rank, step, env = _fault(request, "kill")
-    run, out, logs = _run(launch, tmp_path, shim=False, env=env, warm=True)
+    run, out, logs = _run(launch, tmp_path, "--warm-pool-after", "2", shim=False, env=env,
+                          warm=True)
     pool = [p for p in tagged_processes(launcher_env[TAG_VAR]) if _is_pool_process(p)]
     assert len(pool) == NPROC, "one idle interpreter per local rank"
     assert run.finish(180) == 0, run.output
