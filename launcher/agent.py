@@ -20,6 +20,8 @@ from pathlib import Path
 
 import zmq
 
+from ftlaunch_contract import environment, staging
+from ftlaunch_contract.protocol import Message
 from launcher import UsageError, exit_codes, failures, stacks
 from launcher.config import LaunchConfig
 from launcher.control_plane import ControlPlane, job_secret, outgoing_addr
@@ -28,15 +30,11 @@ from launcher.events import EventLog, PhaseClock
 from launcher.hang_detection import HangTimeouts
 from launcher.health_monitor import HealthMonitor
 from launcher.orphan_guard import OrphanGuard
-from launcher.pool_process import STACK_SIGNAL_ENV, STACKS_FILE_ENV
-from launcher.protocol import Message
 from launcher.rank_env import Attempt, pre_import_env
-from launcher.rank_hub import HUB_ENV, RankHub
+from launcher.rank_hub import RankHub
 from launcher.store import AgentStore
 from launcher.warm_pool import WarmPool
 from launcher.workers import OutputPlan, Program, Rank, RankExit, WorkerGroup, rank_preexec_fn
-from trainer_shim import staging
-from trainer_shim.agent_link import RESUME_STEP_ENV
 
 HANG_CHECK_INTERVAL = 0.1
 
@@ -501,11 +499,12 @@ class Agent:
 
     def _rank_env(self, rank_dir: Path) -> dict[str, str]:
         """ftlaunch's own variables for a rank: the hub, where its stacks go on a hang."""
-        env = {HUB_ENV: self.hub.endpoint, STACKS_FILE_ENV: str(rank_dir / "stacks.txt"),
-               STACK_SIGNAL_ENV: str(int(stacks.STACK_SIGNAL)),
-               staging.STAGING_ENV: str(self.staging_dir)}
+        env = {environment.HUB: self.hub.endpoint,
+               environment.STACKS_FILE: str(rank_dir / "stacks.txt"),
+               environment.STACK_SIGNAL: str(int(stacks.STACK_SIGNAL)),
+               environment.STAGING: str(self.staging_dir)}
         if self.committed_step >= 0:
-            env[RESUME_STEP_ENV] = str(self.committed_step)
+            env[environment.RESUME_STEP] = str(self.committed_step)
         return env
 
     def _sync_poller(self) -> None:

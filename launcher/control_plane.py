@@ -14,9 +14,9 @@ from pathlib import Path
 
 import zmq
 
+from ftlaunch_contract.protocol import Codec, Message, ProtocolError
 from launcher import UsageError, membership
 from launcher.coordinator import Coordinator, JobState, bind_router
-from launcher.protocol import Codec, Message, ProtocolError
 
 log = logging.getLogger("ftlaunch.control")
 

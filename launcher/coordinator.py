@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from ftlaunch_contract.protocol import Codec, Message, ProtocolError
 from launcher import exit_codes, membership, recovery
 from launcher.commits import CommitLog
-from launcher.protocol import Codec, Message, ProtocolError
 
 log = logging.getLogger("ftlaunch.coordinator")
 

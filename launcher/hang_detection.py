@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ftlaunch_contract.protocol import TICK_INTERVAL
+
 LEARN_AFTER_BEATS = 20
 LEARNED_FLOOR = 1.0
-TICK_INTERVAL = 0.5
 """The shim's own thread ticks this often; silent for FROZEN_AFTER, the process is frozen."""
 FROZEN_AFTER = 4 * TICK_INTERVAL
 

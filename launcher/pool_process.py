@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import faulthandler
 import importlib
 import os
 import runpy
 import socket
 import sys
 
-from launcher.rank_exit import settle_gloo_workers
-
-STACK_SIGNAL_ENV = "FTLAUNCH_STACK_SIGNAL"
-STACKS_FILE_ENV = "FTLAUNCH_STACKS_FILE"
+from ftlaunch_contract.rank_exit import settle_gloo_workers
+from ftlaunch_contract.stack_dump import register_stack_dump
 
 
 def preload(modules: list[str]) -> None:
@@ -63,17 +60,6 @@ def become(order: dict, fds: list[int]) -> None:
         sys.argv = list(argv)
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
         runpy.run_path(argv[0], run_name="__main__")
-
-
-def register_stack_dump() -> bool:
-    """Let the agent ask for all threads' stacks with a signal, even while we hold the GIL
-    (the agent's env names the signal and the file); True if armed."""
-    path, signum = os.environ.get(STACKS_FILE_ENV), os.environ.get(STACK_SIGNAL_ENV)
-    if not (path and signum):
-        return False
-    stacks = open(path, "a")  # noqa: SIM115 - must stay open for the signal handler
-    faulthandler.register(int(signum), file=stacks, all_threads=True)
-    return True
 
 
 def main() -> None:

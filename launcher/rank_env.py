@@ -6,6 +6,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from ftlaunch_contract import environment
+
 
 @dataclass(frozen=True)
 class Attempt:
@@ -50,7 +52,7 @@ def rank_env(attempt: Attempt, local_rank: int, error_file: str,
         "TORCHELASTIC_ERROR_FILE": error_file,
         "TORCHELASTIC_SIGNALS_TO_HANDLE": attempt.signals_to_handle,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        "FTLAUNCH_RUN_ID": attempt.run_id,  # tells trainer_shim it is managed
+        environment.RUN_ID: attempt.run_id,  # tells trainer_shim it is managed
     })
     env.update(pre_import_env(attempt.local_world_size, env))
     return env

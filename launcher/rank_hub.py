@@ -16,12 +16,11 @@ from pathlib import Path
 
 import zmq
 
+from ftlaunch_contract.protocol import ProtocolError, pack_local, unpack_local
 from launcher.hang_detection import HangTimeouts, RankActivity, hang_reason
-from launcher.protocol import ProtocolError, pack_local, unpack_local
 
 log = logging.getLogger("ftlaunch.hub")
 
-HUB_ENV = "FTLAUNCH_HUB"
 SAME_MOMENT = 0.25
 """Ranks that fell silent within this of each other count as silent together (> the shim's
 50 ms heartbeat throttle plus the agent's 100 ms check interval)."""

@@ -115,7 +115,7 @@ _CHECKPOINTERS: dict = {}
 
 def _checkpointer(root: Path):
     """One checkpointer for every rep (its staging is reused), staging as an agent owns it."""
-    from trainer_shim import staging
+    from ftlaunch_contract import staging
     from trainer_shim.checkpoint import AsyncCheckpointer
 
     if root not in _CHECKPOINTERS:

@@ -29,9 +29,9 @@ import time
 
 import zmq
 
+from ftlaunch_contract.protocol import Codec
 from launcher.control_plane import ControlPlane
 from launcher.coordinator import Coordinator, JobState, bind_router
-from launcher.protocol import Codec
 
 # TCPStore reverse-resolves each peer; a dropped DNS reply here costs 5 s by default, 1 s so.
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")

@@ -22,7 +22,7 @@ PY
 "$PY" -m launcher doctor --json > "$OUT/doctor.json"; echo "doctor exit $?" | tee -a "$OUT/doctor.json"
 "$PY" - <<'PY' 2>&1 | tee "$OUT/cuda_checkpoint.txt"
 import tempfile, time, torch
-from trainer_shim import staging
+from ftlaunch_contract import staging
 from trainer_shim.checkpoint import AsyncCheckpointer
 state = {f"t{i}": torch.randn(64 << 20, device="cuda") for i in range(16)}  # 4 GiB
 root, shm = tempfile.mkdtemp(), staging.create_dir()

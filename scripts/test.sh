@@ -11,5 +11,5 @@ if [ "$(id -u)" = 0 ] && ! { command -v ip && command -v iptables; } >/dev/null 
          iproute2 iptables >/dev/null; } \
     || echo "test.sh: could not install iproute2 and iptables; netns tests will skip" >&2
 fi
-ruff check launcher trainer_shim scripts tests
+ruff check ftlaunch_contract launcher trainer_shim scripts tests
 "$PY" -m pytest -q "$@"

@@ -221,7 +221,7 @@ def test_a_replacement_restores_from_staging_without_touching_storage(tmp_path):
 
 
 def test_the_agent_persists_what_dead_ranks_staged(tmp_path):
-    from trainer_shim import staging
+    from ftlaunch_contract import staging
 
     staging_dir = tmp_path / "shm"
     staging_dir.mkdir()
@@ -262,7 +262,7 @@ def test_keep_every_mth_step_beside_the_last_k(tmp_path):
 
 
 def test_staging_left_by_a_killed_agent_is_swept(tmp_path):
-    from trainer_shim import staging
+    from ftlaunch_contract import staging
 
     dead = subprocess.Popen(["true"])
     dead.wait()

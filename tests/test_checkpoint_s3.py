@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer_shim import staging
+from ftlaunch_contract import staging
 from trainer_shim.checkpoint import AsyncCheckpointer, CheckpointError
 
 BUCKET = "ftlaunch-ckpt"

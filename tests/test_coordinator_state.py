@@ -10,8 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from ftlaunch_contract.protocol import Codec, Message
 from launcher.coordinator import Coordinator, JobState
-from launcher.protocol import Codec, Message
 
 SECRET = b"k" * 32
 NODES = [f"n{i}" for i in range(5)]

@@ -116,7 +116,7 @@ def test_ranks_that_save_and_return_without_close_exit_0_with_the_step_durable(t
 
 def test_gloo_work_from_backward_released_at_exit_does_not_abort_the_rank(tmp_path):
     """torch 2.13: a gloo worker releasing a Work issued in backward() after finalization
-    began aborts the process (launcher/rank_exit.py). With the workaround switched off
+    began aborts the process (ftlaunch_contract/rank_exit.py). With the workaround switched off
     (NO_SETTLE=1) this script aborted a rank in 10 of 16 pairs and 7 of 16; with it, none
     may."""
     _run(WORK_RELEASED_LATE, tmp_path, repeats=10)

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ftlaunch_contract.protocol import ProtocolError, pack_local, unpack_local
 from launcher import recovery
 from launcher.hang_detection import (
     LEARN_AFTER_BEATS,
@@ -16,7 +17,6 @@ from launcher.hang_detection import (
     hang_reason,
     heartbeat_timeout,
 )
-from launcher.protocol import ProtocolError, pack_local, unpack_local
 
 T = HangTimeouts(heartbeat=10.0, startup=60.0, sections={"checkpoint": 100.0})
 

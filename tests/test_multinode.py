@@ -117,7 +117,7 @@ def test_forged_replayed_and_garbage_messages_harm_nothing(tmp_path, launch):
 
     import zmq
 
-    from launcher.protocol import Codec
+    from ftlaunch_contract.protocol import Codec
 
     port = _free_port()
     env = {"FTLAUNCH_SECRET": "s3cret-job-key"}

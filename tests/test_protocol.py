@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from launcher.protocol import (
+from ftlaunch_contract.protocol import (
     MAX_BYTES,
     SCHEMA,
     VERSION,

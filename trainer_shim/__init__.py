@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+from ftlaunch_contract import environment
 from trainer_shim import shutdown
 
 __all__ = ["AsyncCheckpointer", "CheckpointError", "DistributedState", "RestartContext", "RestartRequested",
@@ -40,17 +41,15 @@ MIN_BEAT_INTERVAL = 0.05
 
 def is_managed() -> bool:
     """True when this process is a rank started by an ftlaunch agent."""
-    return "FTLAUNCH_RUN_ID" in os.environ
+    return environment.RUN_ID in os.environ
 
 
 def _connect():
-    from launcher.rank_hub import HUB_ENV
-
-    if not is_managed() or HUB_ENV not in os.environ:
+    if not is_managed() or environment.HUB not in os.environ:
         return None
     from trainer_shim.agent_link import AgentLink
 
-    link = AgentLink(os.environ[HUB_ENV])
+    link = AgentLink(os.environ[environment.HUB])
     shutdown.at_exit(_disconnect)
     return link
 
@@ -160,7 +159,7 @@ class RestartContext:
     @classmethod
     def from_env(cls) -> RestartContext:
         env = os.environ
-        resume = env.get("FTLAUNCH_RESUME_STEP")  # agent_link.RESUME_STEP_ENV
+        resume = env.get(environment.RESUME_STEP)
         return cls(int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0")),
                    int(env.get("WORLD_SIZE", "1")), int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
                    int(resume) if resume else None)

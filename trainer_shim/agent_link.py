@@ -19,13 +19,9 @@ import time
 
 import zmq
 
-from launcher.hang_detection import TICK_INTERVAL
-from launcher.pool_process import register_stack_dump
-from launcher.protocol import pack_local, unpack_local
-from launcher.rank_hub import HUB_ENV
-
-RESUME_STEP_ENV = "FTLAUNCH_RESUME_STEP"
-"""The newest checkpoint step every rank had made durable when this attempt started."""
+from ftlaunch_contract import environment
+from ftlaunch_contract.protocol import TICK_INTERVAL, pack_local, unpack_local
+from ftlaunch_contract.stack_dump import register_stack_dump
 
 
 class RestartRequested(BaseException):  # noqa: N818 - reads as what happened
@@ -48,7 +44,7 @@ class AgentLink:
         self._commands = self._connect()
         self._reports = self._connect()  # from any thread (checkpoint writers), one at a time
         self._reports_lock = threading.Lock()
-        self.committed_step = int(os.environ.get(RESUME_STEP_ENV, -1))
+        self.committed_step = int(os.environ.get(environment.RESUME_STEP, -1))
         self._next_tick = 0.0
         self._wake_r, self._wake_w = os.pipe()  # close() wakes the listener through it
         self._commands.send(pack_local("hello", pid=self.pid, stacks=self.stacks))
@@ -59,7 +55,7 @@ class AgentLink:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 200)
         sock.setsockopt(zmq.SNDHWM, 1000)
-        sock.connect(os.environ[HUB_ENV])
+        sock.connect(os.environ[environment.HUB])
         return sock
 
     def send(self, kind: str, **fields) -> None:

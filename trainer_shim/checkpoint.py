@@ -1,8 +1,8 @@
 """Asynchronous checkpoints: ``save`` blocks only to copy tensors into staging memory.
 
-Each save is copied into staging (trainer_shim/staging.py: shared memory the agent owns,
+Each save is copied into staging (ftlaunch_contract/staging.py: shared memory the agent owns,
 so it survives this process) and then persisted in the background by a writer thread in
-the format of trainer_shim/shards.py, to a directory or an S3 prefix. A step is committed
+the format of ftlaunch_contract/shards.py, to a directory or an S3 prefix. A step is committed
 once every rank's shard is durable. ``load_latest`` loads the newest step *every* rank
 holds, in staging or committed on storage (the ranks agree through one small collective),
 verifies checksums of what comes from storage and falls back past a damaged step; a
@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
-from trainer_shim import collective, shards, shutdown
+from ftlaunch_contract import environment, shards
+from ftlaunch_contract.staging import SLOTS, Slot, StagingFull
+from ftlaunch_contract.storage import open_storage
+from trainer_shim import collective, shutdown
 from trainer_shim.collective import all_reduce_int
-from trainer_shim.staging import SLOTS, STAGING_ENV, Slot, StagingFull
-from trainer_shim.storage import open_storage
 
 log = logging.getLogger("trainer_shim.checkpoint")
 
@@ -53,7 +54,7 @@ class AsyncCheckpointer:
         if persist_every < 1 or keep_last < 0 or keep_every < 0:
             raise CheckpointError("persist_every must be >= 1, keep_last and keep_every >= 0")
         self.keep_last, self.keep_every, self.persist_every = keep_last, keep_every, persist_every
-        directory = staging_dir or os.environ.get(STAGING_ENV)
+        directory = staging_dir or os.environ.get(environment.STAGING)
         self._slots = [Slot(directory, self.rank, k) for k in range(SLOTS)]
         for slot in self._slots:
             slot.open_existing()

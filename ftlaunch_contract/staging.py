@@ -24,12 +24,11 @@ from typing import Any
 
 import msgpack
 
-from trainer_shim import shards
-from trainer_shim.storage import open_storage
+from ftlaunch_contract import shards
+from ftlaunch_contract.storage import open_storage
 
-log = logging.getLogger("trainer_shim.staging")
+log = logging.getLogger("ftlaunch.staging")
 
-STAGING_ENV = "FTLAUNCH_STAGING"
 SLOTS = 2  # double-buffered: a new save never overwrites the copy being persisted
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgpack
 
-from trainer_shim.storage import Storage
+from ftlaunch_contract.storage import Storage
 
 FORMAT = 1
 _STEP = re.compile(r"^step_(\d{9})/rank_(\d+)\.meta$")

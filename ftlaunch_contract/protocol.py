@@ -18,6 +18,9 @@ from typing import Any
 import msgpack
 
 VERSION = 1
+TICK_INTERVAL = 0.5
+"""Seconds between a managed rank's ticks to its agent (from the shim's own thread, so the
+agent tells a frozen rank from one blocked in a collective)."""
 MAX_BYTES = 1 << 20  # assign carries the member list (~40 B a node)
 
 _INT = int
