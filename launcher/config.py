@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from launcher import UsageError
+from launcher.recovery import RESTART_POLICIES
 from launcher.warm_pool import DEFAULT_PRELOAD
 
 TORCHRUN = "torchrun-compatible options"
 RECOVERY = "fault tolerance"
 GENERAL = "ftlaunch"
 
-RESTART_POLICIES = ("rank", "job", "cold")
 """The recovery ladder, cheapest first; a recovery that makes no progress escalates one rung."""
 STACK_DUMPS = ("auto", "py-spy", "faulthandler", "off")
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2", "ftlaunch")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.config import RESTART_POLICIES
+RESTART_POLICIES = ("rank", "job", "cold")
+"""The ladder, cheapest rung first."""
 
 
 @dataclass(frozen=True)

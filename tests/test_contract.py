@@ -49,3 +49,14 @@ def test_import_trainer_shim_without_an_agent_loads_no_zmq_nor_the_launcher():
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                          text=True, timeout=60, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("module", ["recovery", "membership", "hang_detection", "commits"])
+def test_decision_modules_are_pure(module):
+    """The decisions are functions of what they are given: no sockets, processes or torch
+    anywhere in what they import, so they are tested without any."""
+    probe = (f"import sys, launcher.{module}; print(sorted(m for m in ('zmq', 'torch', "
+             "'subprocess', 'socket', 'psutil') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.strip() == "[]"
