@@ -96,10 +96,10 @@ class AgentLink:
         if self._listener.is_alive():
             os.write(self._wake_w, b"x")
             self._listener.join(timeout=2 * TICK_INTERVAL + 1)
-        if not self._listener.is_alive():  # never close a socket its thread still uses
+        if not self._listener.is_alive():  # never close what its thread still polls
             self._context.destroy(linger=200)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     def _listen(self) -> None:
         """Obey the agent's commands; tick meanwhile, so the agent can tell a rank blocked in
