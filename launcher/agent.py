@@ -1,42 +1,46 @@
 """The agent: one per node. Joins the job, runs this node's ranks, acts on the coordinator's word.
 
-The whole agent is one poll loop over its control socket, the rank pidfds, the rank output
-pipes and a signal wake-up pipe: nothing is polled on a timer, every event is handled the
-moment it happens. The coordinator decides; the agent reports and obeys.
+It is a state machine (``node_policy.Phase``, drawn in docs/protocol.md) driven by one poll
+loop over its control socket, the rank pidfds, the rank output pipes and a signal wake-up
+pipe: every event is handled the moment it happens, and every wait (survivors parking,
+ranks being stopped, GPU memory being released, a backoff, a grace period) is a phase with
+a deadline, never a sleep. The coordinator decides the job's recoveries and ``node_policy``
+this node's part in them; the agent does the I/O.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import socket
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
 
-from ftlaunch_contract import environment, staging
 from ftlaunch_contract.protocol import Message
-from launcher import UsageError, exit_codes, failures, stacks
+from launcher import UsageError, exit_codes, failures, node_policy
 from launcher.config import LaunchConfig
 from launcher.control_plane import ControlPlane, job_secret, outgoing_addr
 from launcher.coordinator import JobState
-from launcher.events import EventLog, PhaseClock
+from launcher.events import PhaseClock
+from launcher.gpu_health import Finding
 from launcher.hang_detection import HangTimeouts
-from launcher.health_monitor import HealthMonitor
-from launcher.orphan_guard import OrphanGuard
-from launcher.rank_env import Attempt, pre_import_env
-from launcher.rank_hub import RankHub
+from launcher.node_io import Event, GpuFound, NodeIO, PoolWarm, RanksSpoke, SignalArrived
+from launcher.node_policy import GpuAction, OrderAction, Phase
+from launcher.rank_env import Attempt
 from launcher.store import AgentStore
-from launcher.warm_pool import WarmPool
-from launcher.workers import OutputPlan, Program, Rank, RankExit, WorkerGroup, rank_preexec_fn
+from launcher.workers import OutputPlan, Program, Rank, RankExit
 
 HANG_CHECK_INTERVAL = 0.1
+RELEASE_CHECK_INTERVAL = 0.05
+STRICT_ENV = "FTLAUNCH_STRICT"
+"""Set (the test suite does): an illegal phase transition raises instead of being logged."""
 
 log = logging.getLogger("ftlaunch.agent")
 
@@ -65,26 +69,32 @@ class Agent:
         self.log_dir = log_root / self.run_id
         self.output = OutputPlan(self.log_dir, config.stream_modes(self.local_world_size),
                                  config.console_ranks(self.local_world_size))
+        self.strict = bool(os.environ.get(STRICT_ENV))
+        self.clock: Callable[[], float] = time.monotonic
 
+        self.phase = Phase.JOINING
+        self.deadline: float | None = None  # when the phase's wait ends
         self.epoch = 0
         self.assignment: Message | None = None
+        self.start_order: Message | None = None  # the "start" being carried out
         self.store: AgentStore | None = None
         self.spare_store: AgentStore | None = None  # next attempt's, already importing torch
         self.first_failure: failures.RankFailure | None = None
-        self.recovery: PhaseClock | None = None  # set from a failure until ranks are back
+        self.recovery: PhaseClock | None = None  # times a recovery, from failure to ranks back
         self.policy = config.restart_policy  # of the recovery under way
+        self.order: Message | None = None  # the recover order under way
+        self.deferred: Message | None = None  # one that came while ranks were being stopped
+        self.keep: tuple[int, ...] = ()  # pids that parked: they resume in place
         self.parked: dict[int, Rank] = {}  # local rank -> process waiting to resume in place
-        self.parking_until: float | None = None  # survivors have until then to park
-        self.rejoin_at: float | None = None
+        self.stopping: set[int] = set()  # pids being stopped
+        self.after_stop: tuple[Phase, int] = (Phase.BACKING_OFF, 0)  # where stopping leads
         self.pool_fill_at: float | None = None
         self.hang_check_at = 0.0
         self.shutdown_signal: int | None = None
-        self.kill_at: float | None = None
         self.restart_count = 0
         self.committed_step = -1  # the newest checkpoint step every rank made durable
         self.draining = ""  # a GPU finding that wants this node out at the next safe point
         self.dead_pids: set[int] = set()  # whose GPU memory must be free before a restart
-        self.started_at = self.last_loop = time.monotonic()
         self.exit_code: int | None = None
 
     def _job_state(self) -> JobState:
@@ -99,59 +109,68 @@ class Agent:
     # --- the main loop: read top to bottom ---------------------------------------------------
 
     def run(self) -> int:
-        self._open()
+        self.attach(NodeIO(self.config, self.log_dir, self.program, self.output,
+                           self._control_plane, lambda: self.committed_step))
         try:
-            self._join()
-            while self.exit_code is None:
-                for fd, _ in self.poller.poll(self._poll_timeout_ms()):
-                    if fd is self.control.socket:
-                        self._on_control_message()
-                    elif fd is self.hub.socket:
-                        self._on_rank_messages()
-                    elif fd == self.signal_fd:
-                        self._on_signals()
-                    elif self.health is not None and fd == self.health.fd:
-                        self._on_gpu_health()
-                    elif self.pool is not None and fd in self.pool.fds():
-                        self._on_pool_ready(fd)
-                    else:
-                        exit_ = self.workers.on_readable(fd)
-                        if exit_ is not None:
-                            self._on_rank_exit(exit_)
-                self._sync_poller()
-                self._on_timers(time.monotonic())
+            self.begin()
+            while self.phase != Phase.DONE:
+                for event in self.io.poll(self._poll_timeout_ms()):
+                    self.on_event(event)
+                    if self.phase == Phase.DONE:
+                        break
+                self.on_timers(self.clock())
+            assert self.exit_code is not None
             return self.exit_code
         finally:
-            self._close()
+            self.workers.stop(self.config.stop_timeout)  # none left but after an error
+            for store in (self.store, self.spare_store):
+                if store is not None:
+                    store.close()
+            self.io.close()
 
-    # --- control messages ----------------------------------------------------------------
+    def on_event(self, event: Event) -> None:
+        match event:
+            case Message():
+                self.on_control(event)
+            case RankExit():
+                self.on_rank_exit(event)
+            case RanksSpoke():
+                self.on_rank_messages()
+            case SignalArrived(signum):
+                self.on_signal(signum)
+            case GpuFound(findings):
+                self.on_gpu_findings(findings)
+            case PoolWarm(seconds):
+                self.events.emit("warm_pool_ready", f"warm pool ready: {self.local_world_size} "
+                                 f"interpreters imported {self.config.preload} in "
+                                 f"{seconds:.2f}s", seconds=seconds)
 
-    def _on_control_message(self) -> None:
-        msg = self.control.receive()
-        if msg is None or msg.epoch < self.epoch:
+    def attach(self, io: NodeIO) -> None:
+        """The edges (real, or a test's fakes with the same methods)."""
+        self.io, self.control, self.hub, self.workers = io, io.control, io.hub, io.workers
+        self.events, self.health, self.pool = io.events, io.health, io.pool
+
+    def begin(self) -> None:
+        self.started_at = self.last_loop = self.clock()
+        self._send_join()
+
+    def _enter(self, phase: Phase, deadline: float | None = None) -> None:
+        node_policy.check_transition(self.phase, phase, self.strict)
+        log.debug("phase %s -> %s", self.phase, phase)
+        self.phase, self.deadline = phase, deadline
+
+    # --- the coordinator's word ----------------------------------------------------------
+
+    def on_control(self, msg: Message) -> None:
+        if msg.epoch < self.epoch:
             return
         self.epoch = msg.epoch
         if msg.type == "assign":
-            self.assignment = msg
-            if msg["group_rank"] == 0:  # the node holding torch's store for this attempt
-                try:
-                    self.store, self.spare_store = self.spare_store, None
-                    if self.store is None:
-                        self.store = AgentStore(self.addr, self._store_port())
-                except OSError as e:
-                    raise UsageError(f"cannot serve torch's store on {self.addr}:"
-                                     f"{self.config.master_port}: {e.strerror}; pick another "
-                                     "--master-port (0 = any free port) or --master-addr") from None
-                self._send("store_ready", master_addr=self.addr, master_port=self.store.port)
-        elif msg.type == "start" and self.shutdown_signal is None:
-            if self.recovery is not None:
-                self.recovery.mark("rendezvous")
-            self._start_ranks(msg)
+            self._on_assign(msg)
+        elif msg.type == "start":
+            self._on_start(msg)
         elif msg.type == "recover":
-            if self.draining:  # a recovery is the moment to leave without costing a restart
-                self._exclude_node(self.draining)
-            else:
-                self._recover(msg)
+            self._on_recover(msg)
         elif msg.type == "committed":
             self.committed_step = msg["step"]
             self.events.emit("checkpoint_committed", f"checkpoint step {msg['step']} committed "
@@ -159,21 +178,296 @@ class Agent:
             for rank in self.workers.alive():
                 self.hub.send(rank.proc.pid, "committed", step=msg["step"])
         elif msg.type == "stop":
-            self._finish(msg["exit_code"], msg["reason"])
+            self._on_stop(msg["exit_code"], msg["reason"])
 
-    def _start_ranks(self, msg: Message) -> None:
+    def _on_assign(self, msg: Message) -> None:
+        if self.phase != Phase.JOINING:
+            log.warning("ignored an assignment in phase %s", self.phase)
+            return
+        self.assignment = msg
+        if msg["group_rank"] == 0:  # the node holding torch's store for this attempt
+            try:
+                self.store, self.spare_store = self.spare_store, None
+                if self.store is None:
+                    self.store = self.io.new_store(self.addr, self._store_port())
+            except OSError as e:
+                raise UsageError(f"cannot serve torch's store on {self.addr}:"
+                                 f"{self.config.master_port}: {e.strerror}; pick another "
+                                 "--master-port (0 = any free port) or --master-addr") from None
+            self._send("store_ready", master_addr=self.addr, master_port=self.store.port)
+        self._enter(Phase.STARTING)
+
+    def _on_start(self, msg: Message) -> None:
+        """Start the ranks, once dead ranks' GPU memory is released (bounded: RELEASING)."""
+        if self.phase != Phase.STARTING:
+            log.info("ignored a start in phase %s", self.phase)
+            return
+        if self.recovery is not None:
+            self.recovery.mark("rendezvous")
+        self.start_order = msg
+        if self._gpu_memory_held():
+            self._enter(Phase.RELEASING, self.clock() + self.config.gpu_release_timeout)
+        else:
+            self._start_ranks()
+
+    def _on_recover(self, msg: Message) -> None:
+        verdict = node_policy.recover_action(self.phase, self.draining)
+        if verdict.action == OrderAction.LEAVE:
+            self._leave_unhealthy(self.draining)
+        elif verdict.action == OrderAction.DEFER:
+            self.deferred = msg
+        elif verdict.action == OrderAction.RECOVER:
+            self._recover(msg)
+
+    def _recover(self, msg: Message) -> None:
+        """Tell re-enterable survivors to leave their training function (PARKING), then
+        stop the others (STOPPING), back off and re-join."""
+        self.recovery = self.recovery or PhaseClock()
+        self.recovery.mark("decide")
+        self.order, self.policy = msg, msg["policy"]
+        self.events.emit("recovering", f"{msg['cause']} -> {msg['policy']} restart "
+                         f"{msg['restart_count']}/{self.config.max_restarts}",
+                         cause=msg["cause"], policy=msg["policy"],
+                         restart_count=msg["restart_count"], delay=msg["delay"])
+        now = self.clock()
+        deadline = now + (self.config.stop_timeout if self.policy == "rank" else 0.0)
+        if self.phase == Phase.PARKING:  # a newer order of the same recovery
+            self.deadline = deadline
+        else:
+            self._enter(Phase.PARKING, deadline)
+        for pid in node_policy.to_abort(self._survivors(), self.policy):
+            self.hub.send(pid, "abort")
+        self._try_park(now)
+
+    def _try_park(self, now: float) -> None:
+        assert self.deadline is not None
+        verdict = node_policy.park_or_stop(self._survivors(), self.policy, now, self.deadline)
+        if verdict is None:
+            return
+        if verdict.late:
+            self.events.emit("escalated", f"ranks {list(verdict.late)} did not leave their "
+                             f"training function within {self.config.stop_timeout:g}s: "
+                             "replacing them", ranks=list(verdict.late))
+        log.info("%s", verdict.reason)
+        self.keep, self.parked = verdict.keep, {}  # rebuilt from keep once the rest is gone
+        self._stop(Phase.BACKING_OFF,
+                   ranks=[r for r in self.workers.alive() if r.proc.pid in verdict.stop])
+
+    def _on_stop(self, exit_code: int, reason: str) -> None:
+        """The job is over (the coordinator's word)."""
+        if self.phase in (Phase.LEAVING, Phase.DONE):
+            return  # our own signal shutdown ends the job, honouring the grace period
+        if self.phase == Phase.STOPPING and self.after_stop[0] == Phase.DONE:
+            return  # on our way out already (we left the job)
+        if exit_code == exit_codes.OK:
+            self.events.emit("job_finished", "all ranks finished", exit_code=exit_code)
+        else:
+            self.events.emit("job_failed", f"job failed: {reason}", exit_code=exit_code,
+                             reason=reason)
+            if self.first_failure is not None:
+                print(failures.summary(self.first_failure), flush=True, file=sys.stderr)
+        self._stop(Phase.DONE, exit_code)
+
+    # --- the ranks' word -----------------------------------------------------------------
+
+    def on_rank_exit(self, exit_: RankExit) -> None:
+        self.hub.forget(exit_.pid)
+        self.dead_pids.add(exit_.pid)
+        self.parked = {k: r for k, r in self.parked.items() if r.proc.pid != exit_.pid}
+        if self.phase == Phase.LEAVING:
+            if not self.workers.alive():
+                self._done(exit_codes.SIGNAL_BASE + (self.shutdown_signal or 0))
+        elif self.phase == Phase.STOPPING:
+            self._stop_progress()
+        elif self.phase == Phase.PARKING:
+            self._try_park(self.clock())
+        elif self.phase == Phase.RUNNING:
+            if exit_.failure is not None:
+                self._report_failure(exit_.failure)
+            elif not self.workers.alive():
+                self._send("finished", node_id=self.node_id)
+                self._enter(Phase.FINISHED)
+
+    def on_rank_messages(self) -> None:
+        now = self.clock()
+        news = self.hub.receive(now)
+        for rank, step in news.durable:  # the coordinator tells when every rank's is
+            self._send("durable", node_id=self.node_id, rank=rank, step=step)
+        if self.phase == Phase.PARKING:
+            self._try_park(now)
+        if self.phase != Phase.RUNNING:
+            return
+        alive = [r.proc.pid for r in self.workers.alive()]
+        if self.pool_fill_at is not None and self.hub.all_beating(alive):
+            self.pool_fill_at = now  # every rank is past its start-up: warm up now
+        for pid in news.parked:
+            rank, error = self.workers.by_pid(pid), self.hub.error(pid)
+            if rank is not None and error and self.phase == Phase.RUNNING:
+                # It raised on its own and parked in restartable(): this rank's failure.
+                last = error.strip().splitlines()[-1] if error.strip() else "an exception"
+                self._report_failure(failures.RankFailure(
+                    rank.rank, rank.local_rank, pid, None, "", rank.error_file, time.time(),
+                    f"raised {last}", error))
+
+    def _report_failure(self, failure: failures.RankFailure) -> None:
+        """An attempt's first failure goes to the coordinator, which orders the recovery."""
+        self.first_failure = failure
+        self.recovery = PhaseClock()
+        self.events.emit("rank_failed", f"rank {failure.rank} {failure.cause}",
+                         rank=failure.rank, local_rank=failure.local_rank,
+                         exit_code=failure.exit_code, signal=failure.signal)
+        self._send("failure", node_id=self.node_id, rank=failure.rank,
+                   local_rank=failure.local_rank, exit_code=failure.exit_code,
+                   signal=failure.signal, cause=failure.cause, step=self.hub.best_step)
+        self._enter(Phase.FAILED)
+
+    def _check_hangs(self, now: float) -> None:
+        """Capture a hung rank's stacks, then kill it: its exit is then a failure like any."""
+        if self.workers.killing():
+            return  # one we killed is not reaped yet: its peers may be waiting on it
+        for pid, reason in self.hub.hung(now, self.hang_timeouts):
+            rank, armed = self.workers.by_pid(pid), self.hub.stacks_armed(pid)
+            self.hub.forget(pid)
+            if rank is None:
+                continue
+            path = Path(rank.error_file).with_name("stacks.txt")
+            captured = self.io.capture_stacks(pid, path, self.config.stack_dump, armed)
+            self.events.emit("rank_hung", f"rank {rank.rank} hung: {reason}; {captured}",
+                             rank=rank.rank, reason=reason, stacks=str(path))
+            self.workers.kill_hung(rank, f"hung: {reason}; {captured}")
+
+    # --- the node's own events ---------------------------------------------------------
+
+    def on_signal(self, signum: int) -> None:
+        """Forward to the ranks and leave the job; exit once they are gone (SIGKILL after
+        the grace period, or at once when asked twice)."""
+        if self.phase == Phase.DONE:
+            return
+        if self.shutdown_signal is None:
+            self.shutdown_signal = signum
+            self.events.emit("signal", f"got {signal.Signals(signum).name}: forwarded to ranks, "
+                             f"SIGKILL in {self.config.grace_period:g}s", signal=signum)
+            self._send("leave", node_id=self.node_id, exit_code=exit_codes.SIGNAL_BASE + signum,
+                       reason=f"{signal.Signals(signum).name}")
+            self._enter(Phase.LEAVING, self.clock() + self.config.grace_period)
+            self.parked.clear()  # no resuming now: they get the signal like every rank
+        elif signum in (signal.SIGINT, signal.SIGTERM):
+            self.deadline = self.clock()  # asked twice: stop waiting
+        self.workers.send_signal(signum)
+        if not self.workers.alive():
+            self._done(exit_codes.SIGNAL_BASE + self.shutdown_signal)
+
+    def on_gpu_findings(self, findings: list[Finding]) -> None:
+        for finding in findings:
+            self.events.emit("gpu_health", str(finding), gpu=finding.gpu, finding=finding.kind,
+                             severity=finding.severity, detail=finding.detail)
+            if self.phase in (Phase.LEAVING, Phase.DONE):
+                continue
+            verdict = node_policy.gpu_finding_action(finding.severity, str(finding),
+                                                     bool(self.draining))
+            if verdict.action == GpuAction.DRAIN:
+                self.draining = str(finding)
+            elif verdict.action == GpuAction.LEAVE:
+                self._leave_unhealthy(str(finding))
+
+    def _leave_unhealthy(self, reason: str) -> None:
+        """Stop this node's ranks and leave the job, which goes on without us if it can;
+        exit 3 so the scheduler puts no work on this node again."""
+        if self.phase == Phase.STOPPING and self.after_stop[0] == Phase.DONE:
+            return
+        self.events.emit("node_unhealthy", f"this node is unhealthy: {reason}; stopping its "
+                         "ranks and leaving the job (exit 3: do not requeue on this node)",
+                         reason=reason)
+        if self.max_nodes > 1:  # the others recover without us
+            self._send("unhealthy", node_id=self.node_id, reason=reason)
+        else:
+            self._send("leave", node_id=self.node_id, exit_code=exit_codes.DO_NOT_REQUEUE,
+                       reason=f"unhealthy: {reason}")
+        print(f"ftlaunch: node unhealthy: {reason}. Drain this node and have its GPUs checked "
+              "(nvidia-smi -q, a GPU reset or a reboot); exit 3: do not requeue here.",
+              file=sys.stderr, flush=True)
+        self._stop(Phase.DONE, exit_codes.DO_NOT_REQUEUE)
+
+    def _follow_coordinator(self) -> None:
+        """The coordinator's node went silent: stop our ranks and re-join its successor."""
+        lost = self.control.coordinator_node
+        group_world_size = self.assignment["group_world_size"] if self.assignment else 0
+        successor = self.control.fail_over(self.epoch, self.restart_count, group_world_size)
+        if successor is None:
+            self._on_stop(exit_codes.JOB_FAILED, f"coordinator node {lost} lost, no successor")
+            return
+        self.events.emit("coordinator_lost", f"coordinator node {lost} lost: following "
+                         f"{'this node' if successor == self.node_id else successor}",
+                         lost=lost, successor=successor)
+        self.recovery = self.recovery or PhaseClock()
+        self._stop(Phase.JOINING)
+
+    # --- deadlines ---------------------------------------------------------------------
+
+    def on_timers(self, now: float) -> None:
+        """The phase's wait, and the loop's own periodic duties."""
+        expired = self.deadline is not None and now >= self.deadline
+        if self.phase == Phase.PARKING:
+            self._try_park(now)
+        elif self.phase == Phase.RELEASING:
+            if not self._gpu_memory_held() or expired:
+                self._start_ranks()
+        elif self.phase == Phase.RUNNING and now >= self.hang_check_at:
+            self.hang_check_at = now + HANG_CHECK_INTERVAL
+            self._check_hangs(now)
+        elif self.phase == Phase.STOPPING and expired:
+            self.deadline = None
+            self.workers.send_signal(signal.SIGKILL, self._being_stopped())
+        elif self.phase == Phase.BACKING_OFF and expired:
+            if self.recovery is not None:
+                self.recovery.mark("backoff")
+            self._join()
+        elif self.phase == Phase.LEAVING and expired:
+            self.deadline = None
+            self.events.emit("grace_expired", "grace period over: SIGKILL to remaining ranks")
+            self.workers.send_signal(signal.SIGKILL)
+        if self.pool_fill_at is not None and now >= self.pool_fill_at:
+            self.pool_fill_at = None
+            self._warm_up()
+        if now - self.last_loop > self.config.node_timeout / 2:
+            self.control.woke(now)  # we were frozen: the silence was ours
+        self.last_loop = now
+        self.control.heartbeat_if_due(now)
+        if self.phase in (Phase.STOPPING, Phase.LEAVING, Phase.DONE):
+            return
+        if self.control.coordinator_lost(now):
+            self._follow_coordinator()
+        elif self.assignment is None and now - self.started_at > self.join_timeout:
+            self.events.emit("job_failed", f"no rendezvous within {self.join_timeout:g}s at "
+                             f"{self.endpoint}; check --rdzv-endpoint and that the other nodes "
+                             "are up", exit_code=exit_codes.JOB_FAILED)
+            self._stop(Phase.DONE, exit_codes.JOB_FAILED)
+
+    def _poll_timeout_ms(self) -> int:
+        now = self.clock()
+        deadlines = [t for t in (self.deadline, self.pool_fill_at) if t is not None]
+        deadlines.append(self.control.next_heartbeat)
+        if self.phase == Phase.RUNNING:
+            deadlines.append(self.hang_check_at)
+        elif self.phase == Phase.RELEASING:
+            deadlines.append(now + RELEASE_CHECK_INTERVAL)
+        return max(0, int((min(deadlines) - now) * 1000) + 1)
+
+    # --- moves ---------------------------------------------------------------------------
+
+    def _start_ranks(self) -> None:
         """Each local rank: resume its parked process, or take a warm one, or start afresh."""
-        a = self.assignment
-        assert a is not None
+        a, msg = self.assignment, self.start_order
+        assert a is not None and msg is not None
+        self._report_gpu_memory_held()
         self.restart_count = msg["restart_count"]
         attempt = Attempt(self.run_id, self.config.role, a["group_rank"], a["group_world_size"],
                           a["rank_offset"], a["world_size"], self.local_world_size,
                           msg["master_addr"], msg["master_port"], msg["restart_count"],
                           a["max_restarts"], self.config.signals_to_handle)
-        self._wait_gpu_memory_released()
-        now = time.monotonic()
+        now = self.clock()
         self.hub.reset_steps()
-        sources = {"resumed": [], "warm": [], "fresh": []}
+        sources: dict[str, list[int]] = {"resumed": [], "warm": [], "fresh": []}
         for local_rank in range(self.local_world_size):
             kept = self.parked.pop(local_rank, None)
             if kept is not None:
@@ -184,11 +478,11 @@ class Agent:
                 continue
             warm = self.pool.take(local_rank) if self.pool and self.policy != "cold" else None
             rank = self.workers.spawn(attempt, local_rank, warm)
-            self.hub.track(rank.proc.pid, now)
-            self.hub.links[rank.proc.pid].stacks = warm is not None  # armed by the pool
+            self.hub.track(rank.proc.pid, now, stacks=warm is not None)  # the pool armed it
             sources["warm" if warm else "fresh"].append(rank.rank)
         self.first_failure = None
         self.pool_fill_at = now + self.config.warm_pool_after  # or at every rank's first beat
+        self._enter(Phase.RUNNING)
         if self.recovery is not None:
             self.recovery.mark("spawn")
             phases = ", ".join(f"{k} {v:.3f}s" for k, v in self.recovery.phases.items())
@@ -204,286 +498,85 @@ class Agent:
                              f"(world size {attempt.world_size}, run {self.run_id}, logs "
                              f"{self.log_dir})", world_size=attempt.world_size, run_id=self.run_id)
 
-    def _recover(self, msg: Message) -> None:
-        """Stop what must go, let survivors that can re-enter in place park, then re-join."""
-        self.recovery = self.recovery or PhaseClock()
-        self.recovery.mark("decide")
-        self.policy = msg["policy"]
-        self.events.emit("recovering", f"{msg['cause']} -> {msg['policy']} restart "
-                         f"{msg['restart_count']}/{self.config.max_restarts}",
-                         cause=msg["cause"], policy=msg["policy"],
-                         restart_count=msg["restart_count"], delay=msg["delay"])
-        self.rejoin_delay = msg["delay"]
-        self.parking_until = time.monotonic()
-        if self.policy == "rank":
-            self.parking_until += self.config.stop_timeout
-            for rank in self.workers.alive():
-                link = self.hub.links.get(rank.proc.pid)
-                if link is not None and link.restartable and not link.parked:
-                    self.hub.send(rank.proc.pid, "abort")
-        self._park_or_stop(time.monotonic())
+    def _stop(self, then: Phase, exit_code: int = 0, ranks: list[Rank] | None = None) -> None:
+        """SIGTERM ``ranks`` (default: all, parked ones too), SIGKILL them at the deadline;
+        once all are reaped, go on to ``then`` (BACKING_OFF, JOINING, or DONE with
+        ``exit_code``). Stopping already, the stop widens; leaving outranks re-joining."""
+        if ranks is None:
+            ranks, self.keep = self.workers.alive(), ()  # parked ones go too
+        if self.phase == Phase.STOPPING:
+            if self.after_stop[0] != Phase.DONE:
+                self.after_stop = (then, exit_code)
+            self.stopping |= {r.proc.pid for r in ranks}
+        else:
+            self.stopping = {r.proc.pid for r in ranks}
+            self.after_stop = (then, exit_code)
+            self._enter(Phase.STOPPING, self.clock() + self.config.stop_timeout)
+        self.workers.send_signal(signal.SIGTERM, ranks)
+        self._stop_progress()
 
-    def _park_or_stop(self, now: float) -> None:
-        """Once every re-enterable survivor parked (or time is up), stop all the others."""
-        if self.parking_until is None:
+    def _being_stopped(self) -> list[Rank]:
+        return [r for r in self.workers.alive() if r.proc.pid in self.stopping]
+
+    def _stop_progress(self) -> None:
+        """Once every rank being stopped is reaped: release them and move on."""
+        if self._being_stopped():
             return
-        parked, others = [], []
-        for rank in self.workers.alive():
-            link = self.hub.links.get(rank.proc.pid)
-            if link is not None and link.parked and self.policy == "rank":
-                parked.append(rank)
-            elif link is not None and link.restartable and now < self.parking_until:
-                return  # still leaving its training function
+        self.stopping.clear()
+        self.workers.release_reaped()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        then, exit_code = self.after_stop
+        if then == Phase.DONE:
+            self._done(exit_code)
+        elif then == Phase.JOINING:
+            self._join()
+        else:  # a recovery: survivors that parked stay, then back off (or the next order)
+            self.parked = {r.local_rank: r for r in self.workers.alive() if r.proc.pid in self.keep}
+            assert self.recovery is not None and self.order is not None
+            self.recovery.mark("stop")
+            order, self.deferred = self.deferred, None
+            if order is not None:
+                self._recover(order)
             else:
-                others.append(rank)
-        late = [r.rank for r in others if (link := self.hub.links.get(r.proc.pid)) and link.restartable]
-        if late:
-            self.events.emit("escalated", f"ranks {late} did not leave their training function "
-                             f"within {self.config.stop_timeout:g}s: replacing them", ranks=late)
-        self.parking_until = None
-        self._stop_ranks(self.config.stop_timeout, others)
-        self.parked = {r.local_rank: r for r in parked}
-        self.recovery.mark("stop")
-        self.rejoin_at = time.monotonic() + self.rejoin_delay
+                self._enter(Phase.BACKING_OFF, self.clock() + self.order["delay"])
 
-    def _finish(self, exit_code: int, reason: str) -> None:
-        if self.shutdown_signal is not None:
-            return  # our own signal shutdown ends the job, honouring the grace period
-        self._stop_ranks(self.config.stop_timeout)
-        if exit_code == exit_codes.OK:
-            self.events.emit("job_finished", "all ranks finished", exit_code=exit_code)
-        else:
-            self.events.emit("job_failed", f"job failed: {reason}", exit_code=exit_code,
-                             reason=reason)
-            if self.first_failure is not None:
-                print(failures.summary(self.first_failure), flush=True, file=sys.stderr)
+    def _join(self) -> None:
+        self._enter(Phase.JOINING)
+        self._send_join()
+
+    def _send_join(self) -> None:
+        self._send("join", node_id=self.node_id, local_world_size=self.local_world_size,
+                   addr=self.addr, standby_port=self.control.standby_port or 0,
+                   rank_hint=self.rank_hint)
+
+    def _done(self, exit_code: int) -> None:
         self.exit_code = exit_code
+        self._enter(Phase.DONE)
 
-    # --- rank exits and signals ----------------------------------------------------------
+    # --- what the agent knows ------------------------------------------------------------
 
-    def _on_rank_exit(self, exit_: RankExit) -> None:
-        self.hub.forget(exit_.pid)
-        self.dead_pids.add(exit_.pid)
-        if self.shutdown_signal is not None:
-            if not self.workers.alive():
-                self.exit_code = exit_codes.SIGNAL_BASE + self.shutdown_signal
-            return
-        if exit_.failure is None:
-            if not self.workers.alive():
-                self._send("finished", node_id=self.node_id)
-            return
-        self._report_failure(exit_.failure)
-        self._park_or_stop(time.monotonic())
+    def _survivors(self) -> list[node_policy.Survivor]:
+        return [node_policy.Survivor(r.proc.pid, r.rank, self.hub.restartable(r.proc.pid),
+                                     self.hub.parked(r.proc.pid)) for r in self.workers.alive()]
 
-    def _on_rank_messages(self) -> None:
-        now = time.monotonic()
-        parked = self.hub.receive(now)
-        for rank, step in self.hub.durable:  # the coordinator tells when every rank's is
-            self._send("durable", node_id=self.node_id, rank=rank, step=step)
-        self.hub.durable.clear()
-        if self.pool_fill_at is not None and self.recovery is None and all(
-                (link := self.hub.links.get(r.proc.pid)) and link.activity.beats
-                for r in self.workers.alive()):
-            self.pool_fill_at = now  # every rank is past its start-up: warm up now
-        for pid in parked:
-            rank = self.workers.by_pid(pid)
-            error = self.hub.links[pid].error
-            if rank is not None and error and self.recovery is None:
-                # It raised on its own and parked in restartable(): this rank's failure.
-                last = error.strip().splitlines()[-1] if error.strip() else "an exception"
-                self._report_failure(failures.RankFailure(
-                    rank.rank, rank.local_rank, pid, None, "", rank.error_file, time.time(),
-                    f"raised {last}", error))
-        self._park_or_stop(now)
-
-    def _report_failure(self, failure: failures.RankFailure) -> None:
-        """The first failure of an attempt goes to the coordinator; the rest are its echoes."""
-        if self.first_failure is not None:
-            return
-        self.first_failure = failure
-        self.recovery = PhaseClock()
-        self.events.emit("rank_failed", f"rank {failure.rank} {failure.cause}",
-                         rank=failure.rank, local_rank=failure.local_rank,
-                         exit_code=failure.exit_code, signal=failure.signal)
-        self._send("failure", node_id=self.node_id, rank=failure.rank,
-                   local_rank=failure.local_rank, exit_code=failure.exit_code,
-                   signal=failure.signal, cause=failure.cause, step=self.hub.best_step)
-
-    def _on_pool_ready(self, fd: int) -> None:
-        seconds = self.pool.on_readable(fd)
-        if seconds is not None:
-            self.events.emit("warm_pool_ready", f"warm pool ready: {self.local_world_size} "
-                             f"interpreters imported {self.config.preload} in {seconds:.2f}s",
-                             seconds=seconds)
-
-    def _on_gpu_health(self) -> None:
-        """Warn; want out at the next recovery (drain); or leave the job now (fatal)."""
-        for finding in self.health.findings():
-            self.events.emit("gpu_health", str(finding), gpu=finding.gpu, finding=finding.kind,
-                             severity=finding.severity, detail=finding.detail)
-            if finding.severity == "drain" and not self.draining:
-                self.draining = str(finding)
-            elif finding.severity == "fatal":
-                self._exclude_node(str(finding))
-
-    def _exclude_node(self, reason: str) -> None:
-        """Stop this node's ranks and leave the job, which goes on without us if it can;
-        exit 3 so the scheduler puts no work on this node again."""
-        if self.exit_code is not None:
-            return
-        self.events.emit("node_unhealthy", f"this node is unhealthy: {reason}; stopping its "
-                         "ranks and leaving the job (exit 3: do not requeue on this node)",
-                         reason=reason)
-        self._stop_ranks(self.config.stop_timeout)
-        if self.max_nodes > 1:  # the others recover without us
-            self._send("unhealthy", node_id=self.node_id, reason=reason)
-        else:
-            self._send("leave", node_id=self.node_id, exit_code=exit_codes.DO_NOT_REQUEUE,
-                       reason=f"unhealthy: {reason}")
-        print(f"ftlaunch: node unhealthy: {reason}. Drain this node and have its GPUs checked "
-              "(nvidia-smi -q, a GPU reset or a reboot); exit 3: do not requeue here.",
-              file=sys.stderr, flush=True)
-        self.exit_code = exit_codes.DO_NOT_REQUEUE
-
-    def _wait_gpu_memory_released(self) -> None:
-        """Replacements must not start on a GPU whose memory dead ranks still hold (their
-        CUDA contexts tear down after the process is reaped); bounded."""
+    def _gpu_memory_held(self) -> bool:
+        """Do dead ranks still hold GPU memory? (Their CUDA contexts tear down after the
+        process is reaped; a replacement must not start on a GPU whose memory is taken.)"""
         if self.health is None:
-            self.dead_pids.clear()  # nothing to wait for: do not let it grow
-            return
-        deadline = time.monotonic() + self.config.gpu_release_timeout
-        while True:
-            self.health.read_now()
-            holding = self.dead_pids & self.health.processes()
-            if not holding or time.monotonic() >= deadline:
-                break
-            self.control.heartbeat_if_due(time.monotonic())  # still alive to the coordinator
-            time.sleep(0.05)
-        if holding:
+            return False
+        self.health.read_now()
+        return bool(self.dead_pids & self.health.processes())
+
+    def _report_gpu_memory_held(self) -> None:
+        if self.health is not None and (holding := self.dead_pids & self.health.processes()):
             self.events.emit("gpu_memory_held", f"dead ranks {sorted(holding)} still hold GPU "
                              f"memory after {self.config.gpu_release_timeout:g}s; starting anyway",
                              pids=sorted(holding))
         self.dead_pids.clear()
 
-    def _check_hangs(self, now: float) -> None:
-        """Capture a hung rank's stacks, then kill it: its exit is then a failure like any."""
-        if any(r.cause and r.returncode is None for r in self.workers.ranks.values()):
-            return  # one we killed is not reaped yet: its peers may be waiting on it
-        for pid, reason in self.hub.hung(now, self.hang_timeouts):
-            rank, link = self.workers.by_pid(pid), self.hub.links[pid]
-            self.hub.forget(pid)
-            if rank is None:
-                continue
-            path = Path(rank.error_file).with_name("stacks.txt")
-            captured = stacks.capture(pid, path, self.config.stack_dump, link.stacks)
-            rank.cause = f"hung: {reason}; {captured}"
-            self.events.emit("rank_hung", f"rank {rank.rank} hung: {reason}; {captured}",
-                             rank=rank.rank, reason=reason, stacks=str(path))
-            self.workers.send_signal(signal.SIGCONT, [rank])
-            self.workers.send_signal(signal.SIGKILL, [rank])
-
-    def _on_signals(self) -> None:
-        for signum in os.read(self.signal_fd, 64):
-            if self.shutdown_signal is None:
-                self.shutdown_signal = signum
-                self.kill_at = time.monotonic() + self.config.grace_period
-                self.events.emit("signal", f"got {signal.Signals(signum).name}: forwarded to ranks, "
-                                 f"SIGKILL in {self.config.grace_period:g}s", signal=signum)
-                self._send("leave", node_id=self.node_id,
-                           exit_code=exit_codes.SIGNAL_BASE + signum,
-                           reason=f"{signal.Signals(signum).name}")
-            elif signum in (signal.SIGINT, signal.SIGTERM):
-                self.kill_at = time.monotonic()  # asked twice: stop waiting
-            self.workers.send_signal(signum)
-        if not self.workers.alive():
-            self.exit_code = exit_codes.SIGNAL_BASE + (self.shutdown_signal or 0)
-
-    def _on_timers(self, now: float) -> None:
-        self._park_or_stop(now)
-        if now >= self.hang_check_at and self.recovery is None:
-            self.hang_check_at = now + HANG_CHECK_INTERVAL
-            self._check_hangs(now)
-        if self.pool_fill_at is not None and now >= self.pool_fill_at:
-            self.pool_fill_at = None
-            self._warm_up()
-        if self.rejoin_at is not None and now >= self.rejoin_at:
-            self.rejoin_at = None
-            if self.recovery is not None:
-                self.recovery.mark("backoff")
-            self._join()
-        if now - self.last_loop > self.config.node_timeout / 2:
-            # We were frozen (SIGSTOP, VM pause): the silence was ours, not the coordinator's.
-            # Speak first; if we were dropped meanwhile, the coordinator tells us to re-join.
-            self.control.last_heard = now
-            self.control.next_heartbeat = now
-        self.last_loop = now
-        self.control.heartbeat_if_due(now)
-        if self.control.coordinator_lost(now) and self.shutdown_signal is None:
-            self._follow_coordinator()
-        elif self.assignment is None and now - self.started_at > self.join_timeout:
-            self.events.emit("job_failed", f"no rendezvous within {self.join_timeout:g}s at "
-                             f"{self.endpoint}; check --rdzv-endpoint and that the other nodes "
-                             "are up", exit_code=exit_codes.JOB_FAILED)
-            self.exit_code = exit_codes.JOB_FAILED
-        if self.kill_at is not None and now >= self.kill_at:
-            self.kill_at = None
-            self.events.emit("grace_expired", "grace period over: SIGKILL to remaining ranks")
-            self.workers.send_signal(signal.SIGKILL)
-
-    def _follow_coordinator(self) -> None:
-        """The coordinator's node went silent: stop our ranks and re-join its successor."""
-        lost = self.control.coordinator_node
-        self._stop_ranks(self.config.stop_timeout)
-        group_world_size = self.assignment["group_world_size"] if self.assignment else 0
-        successor = self.control.fail_over(self.epoch, self.restart_count, group_world_size)
-        if successor is None:
-            self._finish(exit_codes.JOB_FAILED, f"coordinator node {lost} lost, no successor")
-            return
-        self.events.emit("coordinator_lost", f"coordinator node {lost} lost: following "
-                         f"{'this node' if successor == self.node_id else successor}",
-                         lost=lost, successor=successor)
-        self.recovery = self.recovery or PhaseClock()
-        self._join()
-
-    def _join(self) -> None:
-        self.control.send("join", self.epoch, node_id=self.node_id,
-                          local_world_size=self.local_world_size, addr=self.addr,
-                          standby_port=self.control.standby_port or 0,
-                          rank_hint=self.rank_hint)
-
-    def _poll_timeout_ms(self) -> int:
-        deadlines = [t for t in (self.rejoin_at, self.kill_at, self.parking_until,
-                                 self.pool_fill_at) if t is not None]
-        deadlines.append(self.control.next_heartbeat)
-        if self.hub.links and self.recovery is None:
-            deadlines.append(self.hang_check_at)
-        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
-
     # --- plumbing ------------------------------------------------------------------------
-
-    def _stop_ranks(self, timeout: float, ranks: list[Rank] | None = None) -> None:
-        """Stop ``ranks`` (default: all, parked ones included, and the attempt's store)."""
-        for exit_ in self.workers.stop(timeout, ranks=ranks,
-                                       tick=lambda: self.control.heartbeat_if_due(time.monotonic())):
-            self.hub.forget(exit_.pid)
-            self.dead_pids.add(exit_.pid)
-        self._sync_poller()
-        if ranks is None:
-            self.parked.clear()
-        if self.store is not None:
-            self.store.close()
-            self.store = None
-
-    def _persist_staged(self) -> None:
-        """The ranks are gone: make durable what they staged but did not write (a rank
-        killed mid-write, a preempted job, saves staged only), then free the memory."""
-        written = staging.flush(self.staging_dir)
-        if written:
-            steps = sorted({step for _, step in written})
-            self.events.emit("checkpoint_persisted", f"persisted {len(written)} staged "
-                             f"checkpoint shard(s) the ranks left, steps {steps}",
-                             shards=[list(w) for w in written])
-        shutil.rmtree(self.staging_dir, ignore_errors=True)
 
     def _warm_up(self) -> None:
         """Off the training path: refill the warm pool, and prepare the next attempt's store."""
@@ -491,80 +584,16 @@ class Agent:
             self.pool.fill(range(self.local_world_size))
         if (self.spare_store is None and self.assignment is not None
                 and self.assignment["group_rank"] == 0 and self._store_port() == 0):
-            self.spare_store = AgentStore(self.addr, 0)
+            self.spare_store = self.io.new_store(self.addr, 0)
 
     def _store_port(self) -> int:
         """Torch's store port for the next attempt: the user's --master-port, or any."""
         return self.config.master_port if self.endpoint is None else 0
 
-    def _rank_env(self, rank_dir: Path) -> dict[str, str]:
-        """ftlaunch's own variables for a rank: the hub, where its stacks go on a hang."""
-        env = {environment.HUB: self.hub.endpoint,
-               environment.STACKS_FILE: str(rank_dir / "stacks.txt"),
-               environment.STACK_SIGNAL: str(int(stacks.STACK_SIGNAL)),
-               environment.STAGING: str(self.staging_dir)}
-        if self.committed_step >= 0:
-            env[environment.RESUME_STEP] = str(self.committed_step)
-        return env
-
-    def _sync_poller(self) -> None:
-        """Poll exactly the live ranks' pidfds and output pipes, and warming pool processes."""
-        wanted = set(self.workers.fds()) | set(self.pool.fds() if self.pool else ())
-        for fd in self._polled - wanted:
-            self.poller.unregister(fd)
-        for fd in wanted - self._polled:
-            self.poller.register(fd, zmq.POLLIN)
-        self._polled = wanted
-
     def _send(self, kind: str, **fields) -> None:
         self.control.send(kind, self.epoch, **fields)
 
-    def _open(self) -> None:
-        self.events = EventLog(self.log_dir / "events.jsonl")
-        self.guard = OrphanGuard()
-        self.context = zmq.Context()
-        self.control = ControlPlane(self.context, self.secret, self.node_id, self.addr,
-                                    self.endpoint, self._job_state, self.config.node_timeout,
-                                    self.config.heartbeat_interval)
-        read_end, write_end = os.pipe()
-        os.set_blocking(read_end, False)
-        os.set_blocking(write_end, False)
-        self.signal_fd, self._signal_write_fd = read_end, write_end
-        signal.set_wakeup_fd(write_end)
-        self._previous_handlers = {sig: signal.signal(sig, lambda *_: None)
-                                   for sig in self.config.signals()}
-        self.health, why = HealthMonitor.start(self.config.health_interval)
-        self.events.emit("gpu_health_monitor", why, active=self.health is not None)
-        self.hub = RankHub(self.context)
-        self.staging_dir = staging.create_dir()  # checkpoint staging that outlives ranks
-        self.workers = WorkerGroup(self.program, self.output, self.guard, self._rank_env)
-        self.pool = None if self.config.no_warm_pool or self.config.no_python else WarmPool(
-            self.config.preload_modules(), lambda _slot: pre_import_env(self.local_world_size),
-            self.guard, rank_preexec_fn())
-        self.poller = zmq.Poller()
-        self.poller.register(self.control.socket, zmq.POLLIN)
-        self.poller.register(self.hub.socket, zmq.POLLIN)
-        self.poller.register(self.signal_fd, zmq.POLLIN)
-        if self.health is not None:
-            self.poller.register(self.health.fd, zmq.POLLIN)
-        self._polled: set[int] = set()
-
-    def _close(self) -> None:
-        self._stop_ranks(self.config.stop_timeout)
-        self._persist_staged()
-        if self.health is not None:
-            self.health.close()
-        if self.pool is not None:
-            self.pool.close()
-        if self.spare_store is not None:
-            self.spare_store.close()
-        self.hub.close()
-        for sig, handler in self._previous_handlers.items():
-            signal.signal(sig, handler)
-        signal.set_wakeup_fd(-1)
-        os.close(self.signal_fd)
-        os.close(self._signal_write_fd)
-        self.control.close()
-        self.context.term()
-        self.guard.close()
-        self.events.close()
+    def _control_plane(self, context: zmq.Context) -> ControlPlane:
+        return ControlPlane(context, self.secret, self.node_id, self.addr, self.endpoint,
+                            self._job_state, self.config.node_timeout,
+                            self.config.heartbeat_interval)

@@ -122,6 +122,12 @@ class ControlPlane:
             self.send("heartbeat", 0, node_id=self.node_id)
             self.next_heartbeat = now + self._interval
 
+    def woke(self, now: float) -> None:
+        """This agent was frozen (SIGSTOP, a VM pause): the silence was ours, not the
+        coordinator's. Speak first; if we were dropped meanwhile, it tells us to re-join."""
+        self.last_heard = now
+        self.next_heartbeat = now
+
     def coordinator_lost(self, now: float) -> bool:
         """Silent past the node timeout, once we know who would take over."""
         return not self.hosting and bool(self.members) and \

@@ -7,10 +7,14 @@ simply stops talking).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ftlaunch_contract.protocol import TICK_INTERVAL
 
+SAME_MOMENT = 0.25
+"""Ranks that fell silent within this of each other count as silent together (> the shim's
+50 ms heartbeat throttle plus the agent's 100 ms check interval)."""
 LEARN_AFTER_BEATS = 20
 LEARNED_FLOOR = 1.0
 """The shim's own thread ticks this often; silent for FROZEN_AFTER, the process is frozen."""
@@ -94,3 +98,25 @@ def hang_reason(activity: RankActivity, timeouts: HangTimeouts, now: float) -> s
     if limit > 0 and now - activity.last_seen > limit:
         return f"no heartbeat for {now - activity.last_seen:.1f}s (timeout {limit:g}s)"
     return None
+
+
+def hung_ranks(watched: Mapping[int, RankActivity], timeouts: HangTimeouts,
+               now: float) -> list[tuple[int, str]]:
+    """(pid, reason) of the hung ranks among ``watched`` (those that use the shim and are
+    not parked), blaming the culprit rather than the peers blocked on it.
+
+    A frozen rank (not even the shim's thread runs) is the culprit: the others are most
+    likely blocked in a collective on it, and are released when it is killed. A peer
+    blocked on it may cross the timeout first (its last heartbeat was throttled away),
+    so while any rank is frozen only frozen ranks are ever blamed."""
+    if not any(hang_reason(a, timeouts, now) for a in watched.values()):
+        return []
+    # Asleep rather than frozen, the culprit looks just like the peers blocked on it,
+    # which fell silent at the same moment (give or take the heartbeat throttle).
+    later = now + SAME_MOMENT
+    hung = [(pid, reason) for pid, activity in watched.items()
+            if (reason := hang_reason(activity, timeouts, later)) is not None]
+    frozen = {pid for pid, activity in watched.items() if activity.frozen(now)}
+    if frozen:
+        return [(pid, reason + " (frozen)") for pid, reason in hung if pid in frozen]
+    return hung

@@ -17,14 +17,9 @@ from pathlib import Path
 import zmq
 
 from ftlaunch_contract.protocol import ProtocolError, pack_local, unpack_local
-from launcher.hang_detection import HangTimeouts, RankActivity, hang_reason
+from launcher.hang_detection import HangTimeouts, RankActivity, hung_ranks
 
 log = logging.getLogger("ftlaunch.hub")
-
-SAME_MOMENT = 0.25
-"""Ranks that fell silent within this of each other count as silent together (> the shim's
-50 ms heartbeat throttle plus the agent's 100 ms check interval)."""
-
 
 @dataclass
 class RankLink:
@@ -39,6 +34,14 @@ class RankLink:
     pending: list[bytes] = field(default_factory=list)  # commands before its hello
 
 
+@dataclass(frozen=True)
+class HubNews:
+    """What the ranks said that the agent must act on."""
+
+    parked: list[int]  # pids that just left their training function
+    durable: list[tuple[int, int]]  # (rank, step): checkpoint shards to relay
+
+
 class RankHub:
     def __init__(self, context: zmq.Context):
         self._dir = Path(tempfile.mkdtemp(prefix="ftlaunch-hub-"))  # mode 0700
@@ -49,25 +52,48 @@ class RankHub:
         self.socket.bind(self.endpoint)
         self.links: dict[int, RankLink] = {}  # by pid
         self.best_step = -1  # the highest step any rank reported since reset_steps()
-        self.durable: list[tuple[int, int]] = []  # (rank, step) checkpoint shards to relay
 
-    def track(self, pid: int, now: float) -> None:
-        """A rank process started (or resumed): watch it from now on."""
+    def track(self, pid: int, now: float, stacks: bool = False) -> None:
+        """A rank process started (or resumed): watch it from now on. ``stacks``: it
+        already armed the stack-dump signal (a warm-pool process does before its hello)."""
         link = self.links.setdefault(pid, RankLink(RankActivity(now)))
         link.activity = RankActivity(now)
         link.parked = False
+        link.stacks = link.stacks or stacks
+
+    def restartable(self, pid: int) -> bool:
+        link = self.links.get(pid)
+        return link is not None and link.restartable
+
+    def parked(self, pid: int) -> bool:
+        link = self.links.get(pid)
+        return link is not None and link.parked
+
+    def error(self, pid: int) -> str:
+        """The traceback a rank parked with after raising on its own ("" after an abort)."""
+        link = self.links.get(pid)
+        return link.error if link is not None else ""
+
+    def stacks_armed(self, pid: int) -> bool:
+        link = self.links.get(pid)
+        return link is not None and link.stacks
+
+    def all_beating(self, pids: list[int]) -> bool:
+        """Every one of ``pids`` sent a heartbeat: past its start-up."""
+        return all((link := self.links.get(pid)) is not None and link.activity.beats
+                   for pid in pids)
 
     def forget(self, pid: int) -> None:
         self.links.pop(pid, None)
 
-    def receive(self, now: float) -> list[int]:
-        """Handle every queued message; returns the pids that just parked."""
-        parked = []
+    def receive(self, now: float) -> HubNews:
+        """Handle every queued message; returns what the agent must act on."""
+        news = HubNews([], [])
         while True:
             try:
                 identity, data = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return parked
+                return news
             except ValueError:
                 continue  # not two frames: not from a shim
             try:
@@ -97,10 +123,10 @@ class RankHub:
             elif msg.type == "section":
                 link.activity.section(now, msg["name"], msg["open"])
             elif msg.type == "durable":
-                self.durable.append((msg["rank"], msg["step"]))
+                news.durable.append((msg["rank"], msg["step"]))
             elif msg.type == "parked":
                 link.parked, link.error = True, msg["error"]
-                parked.append(msg["pid"])
+                news.parked.append(msg["pid"])
 
     def send(self, pid: int, kind: str, **fields) -> None:
         link = self.links.get(pid)
@@ -113,25 +139,9 @@ class RankHub:
             self.socket.send_multipart([link.identity, data])
 
     def hung(self, now: float, timeouts: HangTimeouts) -> list[tuple[int, str]]:
-        """(pid, reason) of the hung ranks (of those using the shim, not parked).
-
-        A frozen rank (not even the shim's thread runs) is the culprit: the others are most
-        likely blocked in a collective on it, and are released when it is killed. A peer
-        blocked on it may cross the timeout first (its last heartbeat was throttled away),
-        so while any rank is frozen only frozen ranks are ever blamed."""
-        watched = {pid: link.activity for pid, link in self.links.items()
-                   if link.identity is not None and not link.parked}
-        if not any(hang_reason(a, timeouts, now) for a in watched.values()):
-            return []
-        # Asleep rather than frozen, the culprit looks just like the peers blocked on it,
-        # which fell silent at the same moment (give or take the heartbeat throttle).
-        later = now + SAME_MOMENT
-        hung = [(pid, reason) for pid, activity in watched.items()
-                if (reason := hang_reason(activity, timeouts, later)) is not None]
-        frozen = {pid for pid, activity in watched.items() if activity.frozen(now)}
-        if frozen:
-            return [(pid, reason + " (frozen)") for pid, reason in hung if pid in frozen]
-        return hung
+        """(pid, reason) of the hung ranks among those using the shim and not parked."""
+        return hung_ranks({pid: link.activity for pid, link in self.links.items()
+                           if link.identity is not None and not link.parked}, timeouts, now)
 
     def reset_steps(self) -> None:
         self.best_step = -1

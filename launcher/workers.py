@@ -175,23 +175,29 @@ class WorkerGroup:
             if rank.returncode is None:
                 _killpg(rank.proc.pid, sig)
 
-    def stop(self, timeout: float, tick: Callable[[], None] = lambda: None,
-             ranks: list[Rank] | None = None) -> list[RankExit]:
-        """SIGTERM the ranks (default: all), SIGKILL what is left after ``timeout``, reap them.
+    def kill_hung(self, rank: Rank, cause: str) -> None:
+        """Kill a rank found hung; ``cause`` becomes its failure's (the exit cannot tell)."""
+        rank.cause = cause
+        self.send_signal(signal.SIGCONT, [rank])  # a stopped process dies only when resumed
+        self.send_signal(signal.SIGKILL, [rank])
 
-        ``tick`` runs at least every 0.2 s meanwhile (the agent keeps heartbeating)."""
-        targets = self.alive() if ranks is None else ranks
+    def killing(self) -> bool:
+        """A rank killed for a hang is not reaped yet (its peers may still wait on it)."""
+        return any(r.cause and r.returncode is None for r in self.ranks.values())
+
+    def stop(self, timeout: float) -> list[RankExit]:
+        """Blocking: SIGTERM every rank, SIGKILL what is left after ``timeout``, reap them.
+        Only for the agent's teardown; while it runs, its loop stops ranks as a phase."""
+        targets = self.alive()
         exits: list[RankExit] = []
         self.send_signal(signal.SIGTERM, targets)
         deadline = time.monotonic() + timeout
         while any(r.returncode is None for r in targets) and time.monotonic() < deadline:
             exits += self.wait(min(0.2, deadline - time.monotonic()))
-            tick()
         self.send_signal(signal.SIGKILL, targets)
         while any(r.returncode is None for r in targets):
             exits += self.wait(0.2)
-            tick()
-        self.release([r for r in self.ranks.values() if r.returncode is not None])
+        self.release_reaped()
         return exits
 
     def wait(self, timeout: float) -> list[RankExit]:
@@ -200,8 +206,9 @@ class WorkerGroup:
         exits = [self.on_readable(fd) for fd in readable]
         return [e for e in exits if e is not None]
 
-    def release(self, ranks: list[Rank]) -> None:
+    def release_reaped(self) -> None:
         """Forget reaped ranks: drain and close their output pipes and their pidfds."""
+        ranks = [r for r in self.ranks.values() if r.returncode is not None]
         pumps = {p.fd: p for r in ranks for p in r.pumps if p.fd in self._pumps}
         deadline = time.monotonic() + 2.0  # bounded: an escaped grandchild may hold a pipe
         while pumps and time.monotonic() < deadline:

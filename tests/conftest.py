@@ -99,6 +99,7 @@ def launcher_env(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "FTLAUNCH_", "TRAIN_"))}
     env[TAG_VAR] = tag
     env["PYTHONPATH"] = str(ROOT)
+    env["FTLAUNCH_STRICT"] = "1"  # an agent's illegal phase transition is an error
     yield env
     leftovers = wait_no_tagged(tag)
     for p in leftovers:

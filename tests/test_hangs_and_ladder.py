@@ -168,38 +168,28 @@ def test_shim_state_dict_round_trips_without_an_agent():
     assert ft.restartable(lambda ctx, x: (ctx.attempt, x))(7) == (0, 7)
 
 
-def test_hub_blames_the_frozen_rank_else_all_that_fell_silent_together():
-    import zmq
+def test_the_hang_verdict_blames_the_frozen_rank_else_all_that_fell_silent_together():
+    from launcher.hang_detection import RankActivity, hung_ranks
 
-    from launcher.rank_hub import RankHub
-
-    context = zmq.Context()
-    hub = RankHub(context)
-    try:
-        timeouts = HangTimeouts(heartbeat=1.0, startup=0.0)
-        for pid, last in ((1, 0.0), (2, 0.1), (3, 5.0)):  # 3 is fine: it beat recently
-            hub.track(pid, 0.0)
-            link = hub.links[pid]
-            link.identity = b"x"
-            link.activity.beat(last, 1)
-            link.activity.last_tick = 5.0  # every shim thread still runs
-        assert [pid for pid, _ in hub.hung(1.05, timeouts)] == [1, 2]  # asleep: both go
-        hub.links[1].activity.last_tick = 0.0  # 1 is frozen: its peer only waits on it
-        assert [pid for pid, _ in hub.hung(5.1, timeouts)] == [1]
-        assert "frozen" in hub.hung(5.1, timeouts)[0][1]
-        hub.links[2].parked = True  # parked ranks are never hung
-        hub.links[1].activity.last_tick = 5.0
-        assert [pid for pid, _ in hub.hung(1.05, timeouts)] == [1]
-        # The waiting peer crosses the timeout first: it is not blamed, the verdict waits
-        # until the frozen rank crosses it too.
-        hub.links[2].parked = False
-        hub.links[1].activity.beat(4.5, 1)
-        hub.links[1].activity.last_tick = 2.0
-        assert hub.hung(5.11, timeouts) == []
-        assert [pid for pid, _ in hub.hung(5.6, timeouts)] == [1]
-    finally:
-        hub.close()
-        context.term()
+    timeouts = HangTimeouts(heartbeat=1.0, startup=0.0)
+    ranks = {}
+    for pid, last in ((1, 0.0), (2, 0.1), (3, 5.0)):  # 3 is fine: it beat recently
+        ranks[pid] = RankActivity(0.0)
+        ranks[pid].beat(last, 1)
+        ranks[pid].last_tick = 5.0  # every shim thread still runs
+    assert [pid for pid, _ in hung_ranks(ranks, timeouts, 1.05)] == [1, 2]  # asleep: both go
+    ranks[1].last_tick = 0.0  # 1 is frozen: its peer only waits on it
+    assert [pid for pid, _ in hung_ranks(ranks, timeouts, 5.1)] == [1]
+    assert "frozen" in hung_ranks(ranks, timeouts, 5.1)[0][1]
+    ranks[1].last_tick = 5.0
+    without_2 = {pid: a for pid, a in ranks.items() if pid != 2}  # the hub leaves out parked ranks
+    assert [pid for pid, _ in hung_ranks(without_2, timeouts, 1.05)] == [1]
+    # The waiting peer crosses the timeout first: it is not blamed, the verdict waits
+    # until the frozen rank crosses it too.
+    ranks[1].beat(4.5, 1)
+    ranks[1].last_tick = 2.0
+    assert hung_ranks(ranks, timeouts, 5.11) == []
+    assert [pid for pid, _ in hung_ranks(ranks, timeouts, 5.6)] == [1]
 
 
 def test_a_checkpoint_step_commits_once_every_rank_holds_it():

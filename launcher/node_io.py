@@ -1,0 +1,162 @@
+"""The agent's edges to the world, and the one wait of its loop.
+
+``NodeIO`` owns every socket, pipe, process and thread the agent talks to: the control
+plane, the ranks' hub, the rank processes, the warm pool, the GPU health monitor, signals.
+``poll`` waits on all of them at once and turns what is readable into events for the
+agent's state machine (``launcher/agent.py``), which never touches a file descriptor.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from ftlaunch_contract import environment, staging
+from ftlaunch_contract.protocol import Message
+from launcher import stacks
+from launcher.config import LaunchConfig
+from launcher.control_plane import ControlPlane
+from launcher.events import EventLog
+from launcher.gpu_health import Finding
+from launcher.health_monitor import HealthMonitor
+from launcher.orphan_guard import OrphanGuard
+from launcher.rank_env import pre_import_env
+from launcher.rank_hub import RankHub
+from launcher.store import AgentStore
+from launcher.warm_pool import WarmPool
+from launcher.workers import OutputPlan, Program, RankExit, WorkerGroup, rank_preexec_fn
+
+
+@dataclass(frozen=True)
+class RanksSpoke:
+    """Messages from ranks are queued at the hub."""
+
+
+@dataclass(frozen=True)
+class SignalArrived:
+    signum: int
+
+
+@dataclass(frozen=True)
+class GpuFound:
+    findings: list[Finding]
+
+
+@dataclass(frozen=True)
+class PoolWarm:
+    seconds: float  # how long the pool's processes took to import
+
+
+Event = Message | RankExit | RanksSpoke | SignalArrived | GpuFound | PoolWarm
+
+
+class NodeIO:
+    def __init__(self, config: LaunchConfig, log_dir: Path, program: Program,
+                 output: OutputPlan, control: Callable[[zmq.Context], ControlPlane],
+                 resume_step: Callable[[], int]):
+        self.events = EventLog(log_dir / "events.jsonl")
+        self.guard = OrphanGuard()
+        self.context = zmq.Context()
+        self.control = control(self.context)
+        self._resume_step = resume_step
+        self._signal_fd, self._signal_write_fd = os.pipe()
+        os.set_blocking(self._signal_fd, False)
+        os.set_blocking(self._signal_write_fd, False)
+        signal.set_wakeup_fd(self._signal_write_fd)
+        self._previous_handlers = {sig: signal.signal(sig, lambda *_: None)
+                                   for sig in config.signals()}
+        self.health, why = HealthMonitor.start(config.health_interval)
+        self.events.emit("gpu_health_monitor", why, active=self.health is not None)
+        self.hub = RankHub(self.context)
+        self.staging_dir = staging.create_dir()  # checkpoint staging that outlives ranks
+        self.workers = WorkerGroup(program, output, self.guard, self._rank_env)
+        local_world_size = config.local_world_size()
+        self.pool = None if config.no_warm_pool or config.no_python else WarmPool(
+            config.preload_modules(), lambda _slot: pre_import_env(local_world_size),
+            self.guard, rank_preexec_fn())
+        self.new_store = AgentStore
+        self.capture_stacks = stacks.capture
+        self._poller = zmq.Poller()
+        for fd in (self.control.socket, self.hub.socket, self._signal_fd,
+                   *([self.health.fd] if self.health is not None else [])):
+            self._poller.register(fd, zmq.POLLIN)
+        self._polled: set[int] = set()
+
+    def poll(self, timeout_ms: int) -> Iterator[Event]:
+        """Wait up to ``timeout_ms`` for anything; yield what happened, in order."""
+        for fd, _ in self._poller.poll(timeout_ms):
+            if fd is self.control.socket:
+                msg = self.control.receive()
+                if msg is not None:
+                    yield msg
+            elif fd is self.hub.socket:
+                yield RanksSpoke()
+            elif fd == self._signal_fd:
+                for signum in os.read(self._signal_fd, 64):
+                    yield SignalArrived(signum)
+            elif self.health is not None and fd == self.health.fd:
+                yield GpuFound(self.health.findings())
+            elif self.pool is not None and fd in self.pool.fds():
+                seconds = self.pool.on_readable(fd)
+                if seconds is not None:
+                    yield PoolWarm(seconds)
+            else:
+                exit_ = self.workers.on_readable(fd)
+                if exit_ is not None:
+                    yield exit_
+        self._sync_poller()
+
+    def _sync_poller(self) -> None:
+        """Poll exactly the live ranks' pidfds and output pipes, and warming pool processes."""
+        wanted = set(self.workers.fds()) | set(self.pool.fds() if self.pool else ())
+        for fd in self._polled - wanted:
+            self._poller.unregister(fd)
+        for fd in wanted - self._polled:
+            self._poller.register(fd, zmq.POLLIN)
+        self._polled = wanted
+
+    def _rank_env(self, rank_dir: Path) -> dict[str, str]:
+        """ftlaunch's own variables for a rank: the hub, where its stacks go on a hang."""
+        env = {environment.HUB: self.hub.endpoint,
+               environment.STACKS_FILE: str(rank_dir / "stacks.txt"),
+               environment.STACK_SIGNAL: str(int(stacks.STACK_SIGNAL)),
+               environment.STAGING: str(self.staging_dir)}
+        if self._resume_step() >= 0:
+            env[environment.RESUME_STEP] = str(self._resume_step())
+        return env
+
+    def _persist_staged(self) -> None:
+        """The ranks are gone: make durable what they staged but did not write (a rank
+        killed mid-write, a preempted job, saves staged only), then free the memory."""
+        written = staging.flush(self.staging_dir)
+        if written:
+            steps = sorted({step for _, step in written})
+            self.events.emit("checkpoint_persisted", f"persisted {len(written)} staged "
+                             f"checkpoint shard(s) the ranks left, steps {steps}",
+                             shards=[list(w) for w in written])
+        shutil.rmtree(self.staging_dir, ignore_errors=True)
+
+    def close(self) -> None:
+        """Once the ranks are gone: persist staged checkpoints, release everything."""
+        self._persist_staged()
+        if self.health is not None:
+            self.health.close()
+        if self.pool is not None:
+            self.pool.close()
+        self.hub.close()
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(-1)
+        os.close(self._signal_fd)
+        os.close(self._signal_write_fd)
+        self.control.close()
+        self.context.term()
+        self.guard.close()
+        self.events.close()
+

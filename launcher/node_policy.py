@@ -1,0 +1,150 @@
+"""What this node does next: the agent's phases, the moves allowed between them, and its
+decisions as pure functions of what it knows.
+
+The agent (``launcher/agent.py``) does the I/O; what it decides comes from here, and each
+answer carries the reason that goes into the agent's log line and event. Drawn in
+docs/protocol.md ("Agent state machine").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+log = logging.getLogger("ftlaunch.agent")
+
+
+class Phase(StrEnum):
+    JOINING = "joining"  # a join is out: waiting for this round's assignment
+    STARTING = "starting"  # assigned (the store served if it is ours): waiting for "start"
+    RELEASING = "releasing"  # "start" came; dead ranks still hold GPU memory (bounded)
+    RUNNING = "running"  # the ranks train; hangs are watched
+    FAILED = "failed"  # a local rank failed and was reported: waiting for the order
+    FINISHED = "finished"  # every local rank exited 0: waiting for the job's end
+    PARKING = "parking"  # a recovery: restartable survivors leave their training function
+    STOPPING = "stopping"  # ranks got SIGTERM, SIGKILL at the deadline: waiting to reap them
+    BACKING_OFF = "backing_off"  # what had to go is gone: re-join at the deadline
+    LEAVING = "leaving"  # a signal: forwarded to the ranks, SIGKILL after the grace period
+    DONE = "done"  # the exit code is set: the loop ends
+
+
+_P = Phase
+_ABORT = {_P.STOPPING, _P.LEAVING}  # a stop order, an unhealthy GPU, a lost coordinator; a signal
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    _P.JOINING: frozenset({_P.STARTING, _P.PARKING, *_ABORT}),
+    _P.STARTING: frozenset({_P.RELEASING, _P.RUNNING, _P.PARKING, *_ABORT}),
+    _P.RELEASING: frozenset({_P.RUNNING, _P.PARKING, *_ABORT}),
+    _P.RUNNING: frozenset({_P.FAILED, _P.FINISHED, _P.PARKING, *_ABORT}),
+    _P.FAILED: frozenset({_P.PARKING, *_ABORT}),
+    _P.FINISHED: frozenset({_P.PARKING, *_ABORT}),
+    _P.PARKING: frozenset({*_ABORT}),
+    _P.STOPPING: frozenset({_P.BACKING_OFF, _P.JOINING, _P.PARKING, _P.DONE, _P.LEAVING}),
+    _P.BACKING_OFF: frozenset({_P.JOINING, _P.PARKING, *_ABORT}),
+    _P.LEAVING: frozenset({_P.DONE}),
+    _P.DONE: frozenset(),
+}
+"""Every move the agent may make; anything else is a bug."""
+
+
+class IllegalTransition(RuntimeError):
+    """The agent tried a move its table does not allow."""
+
+
+def check_transition(old: Phase, new: Phase, strict: bool) -> bool:
+    """Whether ``old -> new`` is allowed. A bug otherwise: raised when ``strict`` (tests),
+    logged in production, where the move is made all the same (stopping a job over a
+    wrong name would be worse)."""
+    if new in TRANSITIONS[old]:
+        return True
+    if strict:
+        raise IllegalTransition(f"agent phase {old} -> {new} is not allowed")
+    log.error("bug: agent phase %s -> %s is not in the transition table", old, new)
+    return False
+
+
+@dataclass(frozen=True)
+class Survivor:
+    """A live rank during a recovery, as the hub knows it."""
+
+    pid: int
+    rank: int
+    restartable: bool  # runs inside trainer_shim.restartable: can re-enter in place
+    parked: bool  # left its training function and waits to resume
+
+
+def to_abort(survivors: Sequence[Survivor], policy: str) -> list[int]:
+    """The pids told to leave their training function: only a ``rank`` recovery keeps
+    processes, and only those that can re-enter in place and have not parked yet."""
+    return [s.pid for s in survivors if policy == "rank" and s.restartable and not s.parked]
+
+
+@dataclass(frozen=True)
+class ParkVerdict:
+    keep: tuple[int, ...]  # pids parked: they resume in place at the next start
+    stop: tuple[int, ...]  # pids to stop
+    late: tuple[int, ...]  # global ranks that could have parked but did not in time
+    reason: str
+
+
+def park_or_stop(survivors: Sequence[Survivor], policy: str, now: float,
+                 deadline: float) -> ParkVerdict | None:
+    """Once every re-enterable survivor parked (or ``deadline`` passed): which to keep,
+    which to stop. None while one may still park."""
+    keep, stop, late = [], [], []
+    for s in survivors:
+        if s.parked and policy == "rank":
+            keep.append(s.pid)
+        elif s.restartable and now < deadline and policy == "rank":
+            return None  # still leaving its training function
+        else:
+            stop.append(s.pid)
+            if s.restartable and policy == "rank":
+                late.append(s.rank)
+    if late:
+        reason = f"ranks {late} did not leave their training function in time: replacing them"
+    elif keep:
+        reason = f"{len(keep)} rank(s) parked to resume in place, {len(stop)} to stop"
+    else:
+        reason = f"{policy} restart: stopping all {len(stop)} live rank(s)"
+    return ParkVerdict(tuple(keep), tuple(stop), tuple(late), reason)
+
+
+class GpuAction(StrEnum):
+    WARN = "warn"  # an event, nothing else
+    DRAIN = "drain"  # leave at the next recovery (or the job's end): costs no restart
+    LEAVE = "leave"  # stop this node's ranks and leave the job now, exit 3
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: str
+    reason: str
+
+
+def gpu_finding_action(severity: str, finding: str, draining: bool) -> Verdict:
+    """What a GPU health finding makes this node do."""
+    if severity == "fatal":
+        return Verdict(GpuAction.LEAVE, f"{finding}: leaving the job now")
+    if severity == "drain" and not draining:
+        return Verdict(GpuAction.DRAIN, f"{finding}: leaving the job at its next recovery")
+    return Verdict(GpuAction.WARN, f"{finding}")
+
+
+class OrderAction(StrEnum):
+    RECOVER = "recover"  # park or stop the ranks, back off, re-join
+    LEAVE = "leave"  # a drain was pending: this recovery is the moment to leave
+    DEFER = "defer"  # ranks are being stopped: take the order when they are gone
+    IGNORE = "ignore"
+
+
+def recover_action(phase: Phase, draining: str) -> Verdict:
+    """What a coordinator's ``recover`` order makes this node do, in ``phase``."""
+    if phase in (Phase.LEAVING, Phase.DONE):
+        return Verdict(OrderAction.IGNORE, f"leaving already ({phase})")
+    if draining:
+        return Verdict(OrderAction.LEAVE, f"{draining}: leaving at this recovery")
+    if phase == Phase.STOPPING:
+        return Verdict(OrderAction.DEFER, "taken once the ranks being stopped are gone")
+    return Verdict(OrderAction.RECOVER, "")

@@ -1,0 +1,448 @@
+"""The agent's state machine under random event sequences (hypothesis, no processes, no sockets).
+
+The agent gets fakes of its edges (rank processes, the ranks' hub, the control plane, GPU
+health) with the methods the real ones have; a rank's death and its reaping are separate
+steps, as with real processes. The rules play a coordinator, the ranks, the GPU monitor,
+signals and time; the agent checks every phase transition against its table (strict), and
+the invariants below must hold after every step.
+"""
+
+from __future__ import annotations
+
+import signal
+import tempfile
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from ftlaunch_contract.protocol import Message
+from launcher import exit_codes, failures
+from launcher.agent import Agent
+from launcher.config import LaunchConfig
+from launcher.gpu_health import Finding
+from launcher.node_policy import Phase
+from launcher.rank_hub import HubNews
+from launcher.workers import RankExit
+
+LOCAL_WORLD_SIZE = 2
+STOP_TIMEOUT = 2.0
+DIES_ON = (signal.SIGKILL,)  # every other signal: the fake rank exits when the test says
+
+
+@dataclass
+class FakeRank:
+    """What the agent reads of a ``workers.Rank``."""
+
+    local_rank: int
+    rank: int
+    proc: SimpleNamespace
+    error_file: str = "/nonexistent/error.json"
+    cause: str | None = None
+    returncode: int | None = None
+    dead: int | None = None  # exit status once the process is gone (not reaped before)
+    signals: list[int] = field(default_factory=list)
+
+
+class FakeWorkers:
+    """Rank processes: spawned, signalled, dying, reaped. Asserts what must never happen."""
+
+    def __init__(self, hub: FakeHub) -> None:
+        self.hub = hub
+        self.ranks: dict[int, FakeRank] = {}
+        self.next_pid = 1000
+
+    def spawn(self, attempt, local_rank, warm) -> FakeRank:
+        previous = [r for r in self.ranks.values() if r.local_rank == local_rank]
+        assert all(r.returncode is not None for r in previous), \
+            f"local rank {local_rank} started again before its last process was reaped"
+        self.next_pid += 1
+        rank = FakeRank(local_rank, attempt.rank_offset + local_rank,
+                        SimpleNamespace(pid=self.next_pid))
+        self.ranks[self.next_pid] = rank
+        return rank
+
+    def resume(self, kept: FakeRank, attempt) -> dict[str, str]:
+        assert kept.returncode is None, "resumed a rank whose exit the agent had seen"
+        assert self.hub.parked(kept.proc.pid), "resumed a rank that had not parked"
+        kept.rank = attempt.rank_offset + kept.local_rank
+        return {"RANK": str(kept.rank)}
+
+    def alive(self) -> list[FakeRank]:
+        return [r for r in self.ranks.values() if r.returncode is None]
+
+    def by_pid(self, pid: int) -> FakeRank | None:
+        return self.ranks.get(pid)
+
+    def send_signal(self, sig: int, ranks=None) -> None:
+        for rank in self.alive() if ranks is None else ranks:
+            if rank.returncode is None:
+                rank.signals.append(sig)
+                if sig in DIES_ON and rank.dead is None:
+                    rank.dead = -sig
+
+    def kill_hung(self, rank: FakeRank, cause: str) -> None:
+        rank.cause = cause
+        self.send_signal(signal.SIGKILL, [rank])
+
+    def killing(self) -> bool:
+        return any(r.cause and r.returncode is None for r in self.ranks.values())
+
+    def release_reaped(self) -> None:
+        self.ranks = {pid: r for pid, r in self.ranks.items() if r.returncode is None}
+
+    def stop(self, timeout: float) -> list[RankExit]:
+        for rank in self.alive():
+            rank.dead, rank.returncode = -9, -9
+        return []
+
+    def reap(self, rank: FakeRank) -> RankExit:
+        assert rank.dead is not None
+        rank.returncode = rank.dead
+        failure = None if rank.dead == 0 else failures.from_returncode(
+            rank.rank, rank.local_rank, rank.proc.pid, rank.dead, rank.error_file, rank.cause)
+        return RankExit(rank.proc.pid, rank.rank, rank.local_rank, rank.dead, failure)
+
+
+class FakeHub:
+    def __init__(self) -> None:
+        self.links: dict[int, dict] = {}
+        self.news = HubNews([], [])
+        self.hung_next: list[tuple[int, str]] = []
+        self.aborted: set[int] = set()
+        self.best_step = -1
+        self.restartable_from_start = False
+
+    def track(self, pid: int, now: float, stacks: bool = False) -> None:
+        link = self.links.setdefault(pid, {"restartable": self.restartable_from_start,
+                                           "error": ""})
+        link["parked"] = False
+        self.aborted.discard(pid)
+
+    def forget(self, pid: int) -> None:
+        self.links.pop(pid, None)
+
+    def restartable(self, pid: int) -> bool:
+        return self.links.get(pid, {}).get("restartable", False)
+
+    def parked(self, pid: int) -> bool:
+        return self.links.get(pid, {}).get("parked", False)
+
+    def error(self, pid: int) -> str:
+        return self.links.get(pid, {}).get("error", "")
+
+    def stacks_armed(self, pid: int) -> bool:
+        return False
+
+    def all_beating(self, pids: list[int]) -> bool:
+        return True
+
+    def receive(self, now: float) -> HubNews:
+        news, self.news = self.news, HubNews([], [])
+        return news
+
+    def send(self, pid: int, kind: str, **fields) -> None:
+        if kind == "abort":
+            self.aborted.add(pid)
+        elif kind == "resume":
+            assert self.links[pid]["parked"] is False  # tracked (resumed) first
+
+    def hung(self, now, timeouts) -> list[tuple[int, str]]:
+        hung, self.hung_next = self.hung_next, []
+        return [(pid, reason) for pid, reason in hung if pid in self.links]
+
+    def reset_steps(self) -> None:
+        self.best_step = -1
+
+
+class FakeControl:
+    def __init__(self, machine: AgentMachine) -> None:
+        self.machine = machine
+        self.sent: list[tuple[str, dict]] = []
+        self.lost = False
+        self.successor: str | None = "n1"
+        self.coordinator_node, self.standby_port, self.next_heartbeat = "n0", 4000, 0.0
+
+    def send(self, kind: str, epoch: int, **fields) -> None:
+        self.machine.on_sent(kind, fields)
+        self.sent.append((kind, fields))
+
+    def heartbeat_if_due(self, now: float) -> None:
+        pass
+
+    def woke(self, now: float) -> None:
+        pass
+
+    def coordinator_lost(self, now: float) -> bool:
+        return self.lost
+
+    def fail_over(self, epoch: int, restart_count: int, group_world_size: int) -> str | None:
+        self.lost = False
+        return self.successor
+
+
+class FakeHealth:
+    def __init__(self) -> None:
+        self.holding: set[int] = set()
+
+    def read_now(self) -> None:
+        pass
+
+    def processes(self) -> set[int]:
+        return set(self.holding)
+
+
+class FakeEvents:
+    def __init__(self) -> None:
+        self.kinds: list[str] = []
+
+    def emit(self, kind: str, text: str, console: bool = True, **fields) -> None:
+        self.kinds.append(kind)
+
+
+class AgentMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        config = LaunchConfig(nnodes="1:2", nproc_per_node=str(LOCAL_WORLD_SIZE),
+                              rdzv_endpoint="127.0.0.1:29999", rdzv_id="state-test",
+                              log_dir=tempfile.mkdtemp(prefix="ftlaunch-state-"),
+                              stop_timeout=STOP_TIMEOUT)
+        self.agent = Agent(config, "train.py", [])
+        self.agent.strict = True
+        self.now = 1000.0
+        self.agent.clock = lambda: self.now
+        self.hub = FakeHub()
+        self.workers = FakeWorkers(self.hub)
+        self.control = FakeControl(self)
+        self.health = FakeHealth()
+        self.events = FakeEvents()
+        store = SimpleNamespace(port=29500, close=lambda: None)
+        self.agent.attach(SimpleNamespace(
+            control=self.control, hub=self.hub, workers=self.workers, events=self.events,
+            health=self.health, pool=None, new_store=lambda addr, port: store,
+            capture_stacks=lambda pid, path, method, armed: "not captured"))
+        self.epoch = 0
+        self.joins_pending = 0  # joins sent since the last assignment
+        self.assigned = False  # an assignment with no start yet
+        self.agent.begin()
+
+    # --- what the agent sends ------------------------------------------------------------
+
+    def on_sent(self, kind: str, fields: dict) -> None:
+        unreaped = {r.proc.pid for r in self.workers.alive()}
+        parked = {r.proc.pid for r in self.agent.parked.values()}
+        if kind == "join":
+            assert unreaped <= parked, "re-joined before the ranks it stopped were reaped"
+            self.joins_pending += 1
+        elif kind == "failure":  # the first of an attempt only: the agent then waits
+            assert self.agent.phase == Phase.RUNNING, f"reported a failure in {self.agent.phase}"
+
+    # --- the coordinator -----------------------------------------------------------------
+
+    def _order(self, kind: str, **fields) -> None:
+        self.agent.on_control(Message(kind, self.epoch, fields))
+
+    @initialize(running=st.booleans(), restartable=st.booleans())
+    def maybe_running(self, running, restartable):
+        """Half the sequences begin with the ranks started; in half, the script runs
+        inside trainer_shim.restartable from the start."""
+        self.hub.restartable_from_start = restartable
+        if running:
+            self.assign(group_rank=0)
+            self.start()
+
+    @precondition(lambda self: self.joins_pending > 0)
+    @rule(group_rank=st.sampled_from([0, 1]))
+    def assign(self, group_rank):
+        self.epoch += 1
+        self.joins_pending, self.assigned = 0, True
+        self._order("assign", group_rank=group_rank, group_world_size=2,
+                    rank_offset=group_rank * LOCAL_WORLD_SIZE, world_size=2 * LOCAL_WORLD_SIZE,
+                    restart_count=0, max_restarts=3, members=[], coordinator_node="n0")
+
+    @precondition(lambda self: self.assigned)
+    @rule()
+    def start(self):
+        self.assigned = False
+        self._order("start", master_addr="127.0.0.1", master_port=29500, restart_count=0)
+
+    @rule(kind=st.sampled_from(["assign", "start"]))
+    def stray_order(self, kind):
+        """An order the agent's phase does not expect: ignored, never a crash."""
+        if kind == "assign":
+            self._order("assign", group_rank=1, group_world_size=2, rank_offset=2,
+                        world_size=4, restart_count=0, max_restarts=3, members=[],
+                        coordinator_node="n0")
+        else:
+            self._order("start", master_addr="127.0.0.1", master_port=29500, restart_count=0)
+
+    @rule(step=st.integers(0, 5))
+    def committed(self, step):
+        self._order("committed", step=step)
+
+    @rule(what=st.sampled_from(["recover rank 0", "recover rank 1", "recover job 0",
+                                "recover cold 1", "coordinator lost"]))
+    def disruption(self, what):
+        """A recovery somewhere in the job, or the coordinator's node lost (one rule, so
+        that the job mostly gets to run)."""
+        if what == "coordinator lost":
+            self.control.lost, self.control.successor = True, "n1"
+            self.agent.on_timers(self.now)
+            return
+        _, policy, delay = what.split()
+        self.assigned = False
+        self._order("recover", policy=policy, restart_count=1, delay=float(delay),
+                    cause="test")
+
+    @rule(how=st.sampled_from(["stop 0", "stop 1", "no successor", "fatal GPU", "SIGTERM",
+                               "SIGINT"]), now=st.integers(0, 3))
+    def the_end(self, how, now):
+        """Whatever ends the node (one rule, rarely taken, so that most sequences run long)."""
+        if now:
+            return
+        if how.startswith("stop"):
+            self._order("stop", exit_code=int(how[-1]), reason="test")
+        elif how == "no successor":
+            self.control.lost, self.control.successor = True, None
+            self.agent.on_timers(self.now)
+        elif how == "fatal GPU":
+            self.agent.on_gpu_findings([Finding("fatal", 0, "xid", "XID 79")])
+        else:
+            self.agent.on_signal(int(getattr(signal, how)))
+
+    # --- the ranks -----------------------------------------------------------------------
+
+    def _living(self) -> list[FakeRank]:
+        return [r for r in self.workers.alive() if r.dead is None]
+
+    @precondition(lambda self: self.agent.phase == Phase.RUNNING and self._living())
+    @rule()
+    def every_rank_finishes(self):
+        for rank in self._living():
+            rank.dead = 0
+
+    @precondition(lambda self: self._living())
+    @rule(data=st.data(), status=st.sampled_from([0, 1, -9]))
+    def a_rank_ends(self, data, status):
+        """Exits on its own, or after a signal it was sent (SIGTERM, SIGINT)."""
+        rank = data.draw(st.sampled_from(self._living()))
+        rank.dead = status
+        if status and data.draw(st.booleans()):
+            self.health.holding.add(rank.proc.pid)  # its CUDA context is not torn down yet
+
+    @precondition(lambda self: any(r.dead is not None for r in self.workers.alive()))
+    @rule(data=st.data())
+    def the_agent_reaps_one(self, data):
+        rank = data.draw(st.sampled_from([r for r in self.workers.alive() if r.dead is not None]))
+        self.agent.on_rank_exit(self.workers.reap(rank))
+
+    @precondition(lambda self: self._living())
+    @rule(data=st.data())
+    def a_rank_enters_restartable(self, data):
+        rank = data.draw(st.sampled_from(self._living()))
+        if rank.proc.pid in self.hub.links:
+            self.hub.links[rank.proc.pid]["restartable"] = True
+
+    @precondition(lambda self: any(r.proc.pid in self.hub.aborted for r in self._living()))
+    @rule(data=st.data())
+    def an_aborted_rank_parks(self, data):
+        rank = data.draw(st.sampled_from([r for r in self._living()
+                                          if r.proc.pid in self.hub.aborted]))
+        self._park(rank, error="")
+
+    @precondition(lambda self: any(self.hub.restartable(r.proc.pid) for r in self._living()))
+    @rule(data=st.data())
+    def a_rank_raises_and_parks(self, data):
+        rank = data.draw(st.sampled_from([r for r in self._living()
+                                          if self.hub.restartable(r.proc.pid)]))
+        self._park(rank, error="Traceback ...\nRuntimeError: boom")
+
+    def _park(self, rank: FakeRank, error: str) -> None:
+        self.hub.aborted.discard(rank.proc.pid)
+        self.hub.links[rank.proc.pid].update(parked=True, error=error)
+        self.hub.news.parked.append(rank.proc.pid)
+        self.agent.on_rank_messages()
+
+    @rule(rank=st.integers(0, 3), step=st.integers(0, 5))
+    def a_shard_is_durable(self, rank, step):
+        self.hub.news.durable.append((rank, step))
+        self.agent.on_rank_messages()
+
+    @precondition(lambda self: self._living())
+    @rule(data=st.data())
+    def a_rank_hangs(self, data):
+        rank = data.draw(st.sampled_from(self._living()))
+        self.hub.hung_next = [(rank.proc.pid, "no heartbeat for 9.0s (timeout 5s)")]
+        self.agent.on_timers(self.now)
+
+    # --- the node ------------------------------------------------------------------------
+
+    @rule(severity=st.sampled_from(["warn", "drain"]))
+    def gpu_finding(self, severity):
+        self.agent.on_gpu_findings([Finding(severity, 0, "xid", "XID 63")])
+
+    @precondition(lambda self: self.agent.phase == Phase.LEAVING)
+    @rule(signum=st.sampled_from([signal.SIGTERM, signal.SIGINT, signal.SIGHUP]))
+    def another_signal(self, signum):
+        self.agent.on_signal(int(signum))
+
+    @precondition(lambda self: self.agent.phase == Phase.RELEASING)
+    @rule()
+    def gpu_memory_released(self):
+        self.health.holding.clear()
+
+    @rule(seconds=st.sampled_from([0.05, 0.5, 1.0, 3.0]))
+    def time_passes(self, seconds):
+        self.now += seconds
+        self.agent.on_timers(self.now)
+
+    # --- invariants ----------------------------------------------------------------------
+
+    @invariant()
+    def a_node_that_is_done_left_no_rank_behind(self):
+        if self.agent.phase == Phase.DONE:
+            assert self.agent.exit_code is not None
+            assert not self.workers.alive(), "done with ranks still running"
+
+    @invariant()
+    def parked_ranks_are_alive_and_only_kept_during_a_recovery(self):
+        for rank in self.agent.parked.values():
+            assert rank.returncode is None and self.hub.parked(rank.proc.pid)
+        if self.agent.parked:
+            assert self.agent.phase in (Phase.STOPPING, Phase.BACKING_OFF, Phase.JOINING,
+                                        Phase.STARTING, Phase.RELEASING, Phase.PARKING)
+            assert self.agent.policy == "rank", "kept a process under a job or cold restart"
+
+    @invariant()
+    def one_process_per_local_rank(self):
+        local_ranks = [r.local_rank for r in self.workers.alive()]
+        assert len(local_ranks) == len(set(local_ranks))
+
+    @invariant()
+    def what_is_being_stopped_was_told_to_stop(self):
+        if self.agent.phase == Phase.STOPPING:
+            for rank in self.agent._being_stopped():
+                assert signal.SIGTERM in rank.signals
+
+    @invariant()
+    def a_leaving_node_forwarded_the_signal_to_every_rank(self):
+        if self.agent.phase == Phase.LEAVING:
+            for rank in self.workers.alive():
+                assert self.agent.shutdown_signal in rank.signals
+
+    @invariant()
+    def hangs_are_watched_only_while_running(self):
+        if self.agent.phase == Phase.RUNNING:
+            assert self.agent.recovery is None and not self.agent.stopping
+
+    @invariant()
+    def a_node_ended_by_a_signal_exits_128_plus_it(self):
+        if self.agent.phase == Phase.DONE and self.agent.shutdown_signal is not None:
+            assert self.agent.exit_code == exit_codes.SIGNAL_BASE + self.agent.shutdown_signal
+
+
+AgentMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=80,
+                                          deadline=None)
+TestAgentStateMachine = AgentMachine.TestCase
