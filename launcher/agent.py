@@ -5,7 +5,7 @@ loop over its control socket, the rank pidfds, the rank output pipes and a signa
 pipe: every event is handled the moment it happens, and every wait (survivors parking,
 ranks being stopped, GPU memory being released, a backoff, a grace period) is a phase with
 a deadline, never a sleep. The coordinator decides the job's recoveries and ``node_policy``
-this node's part in them; the agent does the I/O.
+this node's part in them; the agent carries them out through its edges (``node_io``).
 """
 
 from __future__ import annotations
@@ -13,29 +13,22 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
-
-import zmq
 
 from ftlaunch_contract.protocol import Message
 from launcher import UsageError, exit_codes, failures, node_policy
 from launcher.config import LaunchConfig
-from launcher.control_plane import ControlPlane, job_secret, outgoing_addr
-from launcher.coordinator import JobState
 from launcher.events import PhaseClock
 from launcher.gpu_health import Finding
-from launcher.hang_detection import HangTimeouts
 from launcher.node_io import Event, GpuFound, NodeIO, PoolWarm, RanksSpoke, SignalArrived
+from launcher.node_plan import NodePlan
 from launcher.node_policy import GpuAction, OrderAction, Phase
 from launcher.rank_env import Attempt
 from launcher.store import AgentStore
-from launcher.workers import OutputPlan, Program, Rank, RankExit
+from launcher.workers import Rank, RankExit
 
 HANG_CHECK_INTERVAL = 0.1
 RELEASE_CHECK_INTERVAL = 0.05
@@ -48,27 +41,7 @@ log = logging.getLogger("ftlaunch.agent")
 class Agent:
     def __init__(self, config: LaunchConfig, script: str, script_args: list[str]):
         self.config = config
-        self.local_world_size = config.local_world_size()
-        self.min_nodes, self.max_nodes = config.node_range()
-        self.single_node = self.max_nodes == 1 and not config.rdzv_endpoint
-        self.run_id = str(uuid.uuid4()) if config.standalone or (
-            self.single_node and config.rdzv_id == "none") else config.rdzv_id
-        self.node_id = f"{socket.gethostname()}:{os.getpid()}"
-        self.endpoint = None if self.single_node or config.standalone else (
-            config.rdzv_endpoint_parts() or (config.master_addr, config.master_port or 29400))
-        self.addr = config.local_addr or (
-            config.master_addr if self.endpoint is None else outgoing_addr(self.endpoint[0]))
-        static_form = config.rdzv_backend == "static" and not config.rdzv_endpoint
-        self.rank_hint = config.node_rank if static_form and self.endpoint else -1
-        self.last_call_timeout, self.join_timeout = config.rdzv_timeouts()
-        self.secret = job_secret(config.secret_file, self.run_id, self.endpoint is None)
-        self.program = Program(script, script_args, config.module, config.no_python)
-        self.hang_timeouts = HangTimeouts(config.hang_timeout, config.startup_timeout,
-                                          config.section_timeout_map(), config.hang_timeout_factor)
-        log_root = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="ftlaunch_"))
-        self.log_dir = log_root / self.run_id
-        self.output = OutputPlan(self.log_dir, config.stream_modes(self.local_world_size),
-                                 config.console_ranks(self.local_world_size))
+        self.plan = NodePlan.from_config(config, script, script_args)
         self.strict = bool(os.environ.get(STRICT_ENV))
         self.clock: Callable[[], float] = time.monotonic
 
@@ -97,20 +70,10 @@ class Agent:
         self.dead_pids: set[int] = set()  # whose GPU memory must be free before a restart
         self.exit_code: int | None = None
 
-    def _job_state(self) -> JobState:
-        """A fresh coordinator state from this node's config (every node has the same)."""
-        c = self.config
-        return JobState(self.min_nodes, self.max_nodes, c.max_restarts, c.restart_policy,
-                        c.restart_backoff, c.restart_backoff_max, c.exit_barrier_timeout,
-                        c.node_timeout, self.last_call_timeout, self.join_timeout,
-                        host_node=self.node_id, max_stalled=c.max_stalled_recoveries,
-                        healthy_after=c.healthy_interval)
-
     # --- the main loop: read top to bottom ---------------------------------------------------
 
     def run(self) -> int:
-        self.attach(NodeIO(self.config, self.log_dir, self.program, self.output,
-                           self._control_plane, lambda: self.committed_step))
+        self.attach(NodeIO(self.plan, lambda: self.committed_step))
         try:
             self.begin()
             while self.phase != Phase.DONE:
@@ -141,7 +104,7 @@ class Agent:
             case GpuFound(findings):
                 self.on_gpu_findings(findings)
             case PoolWarm(seconds):
-                self.events.emit("warm_pool_ready", f"warm pool ready: {self.local_world_size} "
+                self.events.emit("warm_pool_ready", f"warm pool ready: {self.plan.local_world_size} "
                                  f"interpreters imported {self.config.preload} in "
                                  f"{seconds:.2f}s", seconds=seconds)
 
@@ -189,12 +152,12 @@ class Agent:
             try:
                 self.store, self.spare_store = self.spare_store, None
                 if self.store is None:
-                    self.store = self.io.new_store(self.addr, self._store_port())
+                    self.store = self.io.new_store(self.plan.addr, self.plan.store_port())
             except OSError as e:
-                raise UsageError(f"cannot serve torch's store on {self.addr}:"
+                raise UsageError(f"cannot serve torch's store on {self.plan.addr}:"
                                  f"{self.config.master_port}: {e.strerror}; pick another "
                                  "--master-port (0 = any free port) or --master-addr") from None
-            self._send("store_ready", master_addr=self.addr, master_port=self.store.port)
+            self._send("store_ready", master_addr=self.plan.addr, master_port=self.store.port)
         self._enter(Phase.STARTING)
 
     def _on_start(self, msg: Message) -> None:
@@ -285,14 +248,14 @@ class Agent:
             if exit_.failure is not None:
                 self._report_failure(exit_.failure)
             elif not self.workers.alive():
-                self._send("finished", node_id=self.node_id)
+                self._send("finished", node_id=self.plan.node_id)
                 self._enter(Phase.FINISHED)
 
     def on_rank_messages(self) -> None:
         now = self.clock()
         news = self.hub.receive(now)
         for rank, step in news.durable:  # the coordinator tells when every rank's is
-            self._send("durable", node_id=self.node_id, rank=rank, step=step)
+            self._send("durable", node_id=self.plan.node_id, rank=rank, step=step)
         if self.phase == Phase.PARKING:
             self._try_park(now)
         if self.phase != Phase.RUNNING:
@@ -316,7 +279,7 @@ class Agent:
         self.events.emit("rank_failed", f"rank {failure.rank} {failure.cause}",
                          rank=failure.rank, local_rank=failure.local_rank,
                          exit_code=failure.exit_code, signal=failure.signal)
-        self._send("failure", node_id=self.node_id, rank=failure.rank,
+        self._send("failure", node_id=self.plan.node_id, rank=failure.rank,
                    local_rank=failure.local_rank, exit_code=failure.exit_code,
                    signal=failure.signal, cause=failure.cause, step=self.hub.best_step)
         self._enter(Phase.FAILED)
@@ -325,7 +288,7 @@ class Agent:
         """Capture a hung rank's stacks, then kill it: its exit is then a failure like any."""
         if self.workers.killing():
             return  # one we killed is not reaped yet: its peers may be waiting on it
-        for pid, reason in self.hub.hung(now, self.hang_timeouts):
+        for pid, reason in self.hub.hung(now, self.plan.hang_timeouts):
             rank, armed = self.workers.by_pid(pid), self.hub.stacks_armed(pid)
             self.hub.forget(pid)
             if rank is None:
@@ -347,7 +310,7 @@ class Agent:
             self.shutdown_signal = signum
             self.events.emit("signal", f"got {signal.Signals(signum).name}: forwarded to ranks, "
                              f"SIGKILL in {self.config.grace_period:g}s", signal=signum)
-            self._send("leave", node_id=self.node_id, exit_code=exit_codes.SIGNAL_BASE + signum,
+            self._send("leave", node_id=self.plan.node_id, exit_code=exit_codes.SIGNAL_BASE + signum,
                        reason=f"{signal.Signals(signum).name}")
             self._enter(Phase.LEAVING, self.clock() + self.config.grace_period)
             self.parked.clear()  # no resuming now: they get the signal like every rank
@@ -378,10 +341,10 @@ class Agent:
         self.events.emit("node_unhealthy", f"this node is unhealthy: {reason}; stopping its "
                          "ranks and leaving the job (exit 3: do not requeue on this node)",
                          reason=reason)
-        if self.max_nodes > 1:  # the others recover without us
-            self._send("unhealthy", node_id=self.node_id, reason=reason)
+        if self.plan.max_nodes > 1:  # the others recover without us
+            self._send("unhealthy", node_id=self.plan.node_id, reason=reason)
         else:
-            self._send("leave", node_id=self.node_id, exit_code=exit_codes.DO_NOT_REQUEUE,
+            self._send("leave", node_id=self.plan.node_id, exit_code=exit_codes.DO_NOT_REQUEUE,
                        reason=f"unhealthy: {reason}")
         print(f"ftlaunch: node unhealthy: {reason}. Drain this node and have its GPUs checked "
               "(nvidia-smi -q, a GPU reset or a reboot); exit 3: do not requeue here.",
@@ -397,7 +360,7 @@ class Agent:
             self._on_stop(exit_codes.JOB_FAILED, f"coordinator node {lost} lost, no successor")
             return
         self.events.emit("coordinator_lost", f"coordinator node {lost} lost: following "
-                         f"{'this node' if successor == self.node_id else successor}",
+                         f"{'this node' if successor == self.plan.node_id else successor}",
                          lost=lost, successor=successor)
         self.recovery = self.recovery or PhaseClock()
         self._stop(Phase.JOINING)
@@ -437,9 +400,9 @@ class Agent:
             return
         if self.control.coordinator_lost(now):
             self._follow_coordinator()
-        elif self.assignment is None and now - self.started_at > self.join_timeout:
-            self.events.emit("job_failed", f"no rendezvous within {self.join_timeout:g}s at "
-                             f"{self.endpoint}; check --rdzv-endpoint and that the other nodes "
+        elif self.assignment is None and now - self.started_at > self.plan.join_timeout:
+            self.events.emit("job_failed", f"no rendezvous within {self.plan.join_timeout:g}s at "
+                             f"{self.plan.endpoint}; check --rdzv-endpoint and that the other nodes "
                              "are up", exit_code=exit_codes.JOB_FAILED)
             self._stop(Phase.DONE, exit_codes.JOB_FAILED)
 
@@ -461,14 +424,14 @@ class Agent:
         assert a is not None and msg is not None
         self._report_gpu_memory_held()
         self.restart_count = msg["restart_count"]
-        attempt = Attempt(self.run_id, self.config.role, a["group_rank"], a["group_world_size"],
-                          a["rank_offset"], a["world_size"], self.local_world_size,
+        attempt = Attempt(self.plan.run_id, self.config.role, a["group_rank"], a["group_world_size"],
+                          a["rank_offset"], a["world_size"], self.plan.local_world_size,
                           msg["master_addr"], msg["master_port"], msg["restart_count"],
                           a["max_restarts"], self.config.signals_to_handle)
         now = self.clock()
         self.hub.reset_steps()
         sources: dict[str, list[int]] = {"resumed": [], "warm": [], "fresh": []}
-        for local_rank in range(self.local_world_size):
+        for local_rank in range(self.plan.local_world_size):
             kept = self.parked.pop(local_rank, None)
             if kept is not None:
                 env = self.workers.resume(kept, attempt)
@@ -494,9 +457,9 @@ class Agent:
                              policy=self.policy, phases=self.recovery.phases, **sources)
             self.recovery = None
         else:
-            self.events.emit("started", f"started {self.local_world_size} ranks "
-                             f"(world size {attempt.world_size}, run {self.run_id}, logs "
-                             f"{self.log_dir})", world_size=attempt.world_size, run_id=self.run_id)
+            self.events.emit("started", f"started {self.plan.local_world_size} ranks "
+                             f"(world size {attempt.world_size}, run {self.plan.run_id}, logs "
+                             f"{self.plan.log_dir})", world_size=attempt.world_size, run_id=self.plan.run_id)
 
     def _stop(self, then: Phase, exit_code: int = 0, ranks: list[Rank] | None = None) -> None:
         """SIGTERM ``ranks`` (default: all, parked ones too), SIGKILL them at the deadline;
@@ -547,9 +510,9 @@ class Agent:
         self._send_join()
 
     def _send_join(self) -> None:
-        self._send("join", node_id=self.node_id, local_world_size=self.local_world_size,
-                   addr=self.addr, standby_port=self.control.standby_port or 0,
-                   rank_hint=self.rank_hint)
+        self._send("join", node_id=self.plan.node_id, local_world_size=self.plan.local_world_size,
+                   addr=self.plan.addr, standby_port=self.control.standby_port or 0,
+                   rank_hint=self.plan.rank_hint)
 
     def _done(self, exit_code: int) -> None:
         self.exit_code = exit_code
@@ -581,19 +544,10 @@ class Agent:
     def _warm_up(self) -> None:
         """Off the training path: refill the warm pool, and prepare the next attempt's store."""
         if self.pool is not None:
-            self.pool.fill(range(self.local_world_size))
+            self.pool.fill(range(self.plan.local_world_size))
         if (self.spare_store is None and self.assignment is not None
-                and self.assignment["group_rank"] == 0 and self._store_port() == 0):
-            self.spare_store = self.io.new_store(self.addr, 0)
-
-    def _store_port(self) -> int:
-        """Torch's store port for the next attempt: the user's --master-port, or any."""
-        return self.config.master_port if self.endpoint is None else 0
+                and self.assignment["group_rank"] == 0 and self.plan.store_port() == 0):
+            self.spare_store = self.io.new_store(self.plan.addr, 0)
 
     def _send(self, kind: str, **fields) -> None:
         self.control.send(kind, self.epoch, **fields)
-
-    def _control_plane(self, context: zmq.Context) -> ControlPlane:
-        return ControlPlane(context, self.secret, self.node_id, self.addr, self.endpoint,
-                            self._job_state, self.config.node_timeout,
-                            self.config.heartbeat_interval)

@@ -300,11 +300,13 @@ class Coordinator:
 
     def _maybe_complete_round(self, now: float) -> bool:
         s = self._state
-        if membership.round_complete(s.round_joined, s.expected, s.min_nodes, s.max_nodes,
-                                     s.min_reached_at, now, s.last_call, s.expected_count):
+        reason = membership.round_complete(s.round_joined, s.expected, s.min_nodes,
+                                           s.max_nodes, s.min_reached_at, now, s.last_call,
+                                           s.expected_count)
+        if reason is not None:
+            log.info("rendezvous round closed: %s", reason)
             self._complete_round()
-            return True
-        return False
+        return reason is not None
 
     def _lose(self, node: str, now: float, cause: str = "") -> None:
         s = self._state

@@ -44,18 +44,20 @@ def assign_ranks(members: list[Member], previous: dict[str, int] | None = None) 
 
 def round_complete(joined: set[str], expected: set[str], min_nodes: int, max_nodes: int,
                    min_reached_at: float | None, now: float, last_call: float,
-                   expected_count: int = 0) -> bool:
-    """Close a rendezvous round: at MAX nodes; once every ``expected`` node (the survivors of
-    the last round, plus a scale-up's newcomer) is back, and at least ``expected_count`` nodes
-    (a new coordinator knows only how many survived, not all of their ids); or
-    ``last_call`` seconds after MIN."""
+                   expected_count: int = 0) -> str | None:
+    """Why a rendezvous round closes now, or None while it stays open. It closes at MAX
+    nodes; once every ``expected`` node (the survivors of the last round, plus a scale-up's
+    newcomer) is back, and at least ``expected_count`` nodes (a new coordinator knows only
+    how many survived, not all of their ids); or ``last_call`` seconds after MIN."""
     if len(joined) >= max_nodes:
-        return True
+        return f"{len(joined)} nodes joined: the maximum"
     if len(joined) < min_nodes:
-        return False
+        return None
     if expected and expected <= joined and len(joined) >= expected_count:
-        return True
-    return min_reached_at is not None and now - min_reached_at >= last_call
+        return f"every node the round waited for is back ({len(joined)})"
+    if min_reached_at is not None and now - min_reached_at >= last_call:
+        return f"last call: {len(joined)} nodes, {last_call:g}s after the minimum ({min_nodes})"
+    return None
 
 
 def silent_members(last_seen: dict[str, float], now: float, timeout: float) -> list[str]:

@@ -20,17 +20,16 @@ import zmq
 from ftlaunch_contract import environment, staging
 from ftlaunch_contract.protocol import Message
 from launcher import stacks
-from launcher.config import LaunchConfig
-from launcher.control_plane import ControlPlane
 from launcher.events import EventLog
 from launcher.gpu_health import Finding
 from launcher.health_monitor import HealthMonitor
+from launcher.node_plan import NodePlan
 from launcher.orphan_guard import OrphanGuard
 from launcher.rank_env import pre_import_env
 from launcher.rank_hub import RankHub
 from launcher.store import AgentStore
 from launcher.warm_pool import WarmPool
-from launcher.workers import OutputPlan, Program, RankExit, WorkerGroup, rank_preexec_fn
+from launcher.workers import RankExit, WorkerGroup, rank_preexec_fn
 
 
 @dataclass(frozen=True)
@@ -57,13 +56,12 @@ Event = Message | RankExit | RanksSpoke | SignalArrived | GpuFound | PoolWarm
 
 
 class NodeIO:
-    def __init__(self, config: LaunchConfig, log_dir: Path, program: Program,
-                 output: OutputPlan, control: Callable[[zmq.Context], ControlPlane],
-                 resume_step: Callable[[], int]):
-        self.events = EventLog(log_dir / "events.jsonl")
+    def __init__(self, plan: NodePlan, resume_step: Callable[[], int]):
+        config = plan.config
+        self.events = EventLog(plan.log_dir / "events.jsonl")
         self.guard = OrphanGuard()
         self.context = zmq.Context()
-        self.control = control(self.context)
+        self.control = plan.control_plane(self.context)
         self._resume_step = resume_step
         self._signal_fd, self._signal_write_fd = os.pipe()
         os.set_blocking(self._signal_fd, False)
@@ -75,10 +73,9 @@ class NodeIO:
         self.events.emit("gpu_health_monitor", why, active=self.health is not None)
         self.hub = RankHub(self.context)
         self.staging_dir = staging.create_dir()  # checkpoint staging that outlives ranks
-        self.workers = WorkerGroup(program, output, self.guard, self._rank_env)
-        local_world_size = config.local_world_size()
+        self.workers = WorkerGroup(plan.program, plan.output, self.guard, self._rank_env)
         self.pool = None if config.no_warm_pool or config.no_python else WarmPool(
-            config.preload_modules(), lambda _slot: pre_import_env(local_world_size),
+            config.preload_modules(), lambda _slot: pre_import_env(plan.local_world_size),
             self.guard, rank_preexec_fn())
         self.new_store = AgentStore
         self.capture_stacks = stacks.capture

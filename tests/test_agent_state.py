@@ -446,3 +446,18 @@ class AgentMachine(RuleBasedStateMachine):
 AgentMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=80,
                                           deadline=None)
 TestAgentStateMachine = AgentMachine.TestCase
+
+
+def test_the_diagram_in_the_docs_is_the_transition_table():
+    import re
+    from pathlib import Path
+
+    from launcher.node_policy import TRANSITIONS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
+    section = doc.split("## Agent state machine", 1)[1].split("\n## ", 1)[0]
+    drawn = set()
+    for sources, target in re.findall(r"^([a-z_, ]+) --\(.*?\)--> ([a-z_]+)", section, re.M):
+        drawn |= {(Phase(s.strip()), Phase(target)) for s in sources.split(",")}
+    table = {(a, b) for a, targets in TRANSITIONS.items() for b in targets}
+    assert drawn == table, f"drawn only: {drawn - table}; in the table only: {table - drawn}"

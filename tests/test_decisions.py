@@ -382,17 +382,18 @@ def test_rank_command_does_not_alias_args():
 from launcher.membership import round_complete, silent_members, successor  # noqa: E402
 
 
-@pytest.mark.parametrize("joined, expected, min_reached_at, now, done", [
-    ({"a", "b", "c"}, set(), None, 0.0, True),          # MAX reached
-    ({"a"}, set(), None, 0.0, False),                    # below MIN
-    ({"a", "b"}, set(), 10.0, 10.5, False),              # MIN reached, last call still open
-    ({"a", "b"}, set(), 10.0, 11.0, True),               # last call over
-    ({"a", "b"}, {"a", "b"}, 10.0, 10.0, True),          # every survivor is back
-    ({"a", "b"}, {"a", "b", "c"}, 10.0, 10.2, False),    # waiting for survivor c
-    ({"a"}, {"a", "b"}, None, 99.0, False),              # survivors back but below MIN
+@pytest.mark.parametrize("joined, expected, min_reached_at, now, why", [
+    ({"a", "b", "c"}, set(), None, 0.0, "the maximum"),
+    ({"a"}, set(), None, 0.0, None),                             # below MIN
+    ({"a", "b"}, set(), 10.0, 10.5, None),                       # MIN reached, last call open
+    ({"a", "b"}, set(), 10.0, 11.0, "last call"),
+    ({"a", "b"}, {"a", "b"}, 10.0, 10.0, "every node the round waited for"),
+    ({"a", "b"}, {"a", "b", "c"}, 10.0, 10.2, None),             # waiting for survivor c
+    ({"a"}, {"a", "b"}, None, 99.0, None),                       # survivors back, below MIN
 ])
-def test_round_complete(joined, expected, min_reached_at, now, done):
-    assert round_complete(joined, expected, 2, 3, min_reached_at, now, 1.0) is done
+def test_round_complete_says_why(joined, expected, min_reached_at, now, why):
+    reason = round_complete(joined, expected, 2, 3, min_reached_at, now, 1.0)
+    assert reason is None if why is None else why in reason
 
 
 def test_silent_members_are_those_past_the_timeout():
