@@ -7,15 +7,19 @@ version raises ``ProtocolError``, which receivers log and drop.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import itertools
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_type_hints
 
 import msgpack
+
+from ftlaunch_contract import messages
+from ftlaunch_contract.messages import Body, Successor
 
 VERSION = 1
 TICK_INTERVAL = 0.5
@@ -31,34 +35,9 @@ _OPT_INT = (int, type(None))
 
 def _members(value: Any) -> bool:
     """[[node_id, addr, standby_port], ...] in group-rank order."""
-    return isinstance(value, list) and len(value) <= 100_000 and all(
-        isinstance(m, list) and len(m) == 3 and isinstance(m[0], str) and isinstance(m[1], str)
-        and type(m[2]) is int for m in value)
-
-
-SCHEMA: dict[str, dict[str, Any]] = {
-    # agent -> coordinator
-    "join": {"node_id": _STR, "local_world_size": _INT, "addr": _STR, "standby_port": _INT,
-             "rank_hint": _INT},
-    "heartbeat": {"node_id": _STR},
-    "store_ready": {"master_addr": _STR, "master_port": _INT},
-    "failure": {"node_id": _STR, "rank": _INT, "local_rank": _INT, "exit_code": _OPT_INT,
-                "signal": _STR, "cause": _STR, "step": _INT},
-    "finished": {"node_id": _STR},
-    "durable": {"node_id": _STR, "rank": _INT, "step": _INT},  # a checkpoint shard, relayed
-    "leave": {"node_id": _STR, "exit_code": _INT, "reason": _STR},
-    "unhealthy": {"node_id": _STR, "reason": _STR},  # exclude this node, go on without it
-    # coordinator -> agent
-    "heartbeat_ack": {},
-    "assign": {"group_rank": _INT, "group_world_size": _INT, "rank_offset": _INT,
-               "world_size": _INT, "restart_count": _INT, "max_restarts": _INT,
-               "members": _members, "coordinator_node": _STR},
-    "start": {"master_addr": _STR, "master_port": _INT, "restart_count": _INT},
-    "recover": {"policy": _STR, "restart_count": _INT, "delay": _FLOAT, "cause": _STR},
-    "stop": {"exit_code": _INT, "reason": _STR},
-    "committed": {"step": _INT},  # every rank's shard of this checkpoint step is durable
-}
-"""Fields of each message type beyond the envelope (v, type, epoch, sid, seq)."""
+    return isinstance(value, (list, tuple)) and len(value) <= 100_000 and all(
+        isinstance(m, (list, tuple)) and len(m) == 3 and isinstance(m[0], str)
+        and isinstance(m[1], str) and type(m[2]) is int for m in value)
 
 
 def _bool(value: Any) -> bool:
@@ -70,38 +49,47 @@ def _env(value: Any) -> bool:
         isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
-LOCAL_SCHEMA: dict[str, dict[str, Any]] = {
-    # rank (trainer_shim) -> agent, over the node-local ipc:// socket
-    "hello": {"pid": _INT, "stacks": _bool},  # from the shim's command socket
-    "restartable": {"pid": _INT},  # the rank runs inside trainer_shim.restartable
-    "beat": {"pid": _INT, "step": _INT},
-    "tick": {"pid": _INT, "sent": _FLOAT},  # time.monotonic() when sent (one clock per host)
-    "learned": {"pid": _INT, "interval": _FLOAT},  # longest heartbeat interval, restored  # from the shim's own thread: the process runs, whatever training does
-    "section": {"pid": _INT, "name": _STR, "open": _bool},
-    "parked": {"pid": _INT, "error": _STR},
-    "durable": {"pid": _INT, "rank": _INT, "step": _INT},  # its shard of a checkpoint step
-    # agent -> rank
-    "abort": {},
-    "resume": {"env": _env},
-    "committed": {"step": _INT},  # every rank's shard of this step is durable
-}
+_CHECKS: dict[Any, Any] = {int: _INT, str: _STR, float: _FLOAT, int | None: _OPT_INT,
+                           bool: _bool, messages.Successors: _members, messages.Env: _env}
+"""What a field's annotation demands of its value on the wire (an int is never a bool)."""
+
+
+def _schema(types: dict[str, type[Body]]) -> dict[str, dict[str, Any]]:
+    schema = {}
+    for kind, cls in types.items():
+        hints = get_type_hints(cls, vars(messages))
+        schema[kind] = {f.name: _CHECKS[hints[f.name]] for f in dataclasses.fields(cls)}
+    return schema
+
+
+SCHEMA = _schema(messages.CONTROL)
+"""Fields of each control-plane message type beyond the envelope (v, type, epoch, sid, seq)."""
+LOCAL_SCHEMA = _schema(messages.LOCAL)
 """Messages between the agent and its own ranks. The ipc:// socket lives in a 0700 directory,
 so the file system is the authentication; they are schema-checked msgpack all the same."""
 
 
-def pack_local(kind: str, **fields: Any) -> bytes:
-    _check_fields(kind, fields, LOCAL_SCHEMA)
-    return msgpack.packb({"type": kind, **fields})
+def pack_local(msg: Body) -> bytes:
+    payload = msg.payload()
+    _check_fields(msg.TYPE, payload, LOCAL_SCHEMA)
+    packed: bytes = msgpack.packb({"type": msg.TYPE, **payload})
+    return packed
 
 
-def unpack_local(data: bytes) -> Message:
+def unpack_local(data: bytes) -> Body:
     """Decode a node-local message; anything malformed raises ProtocolError."""
     if len(data) > MAX_BYTES:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_BYTES}")
     fields = _unpack_map(data)
     kind = fields.pop("type", None)
     _check_fields(kind, fields, LOCAL_SCHEMA)
-    return Message(kind, 0, fields)
+    return _build(messages.LOCAL[kind], fields)
+
+
+def _build(cls: type[Body], fields: dict[str, Any]) -> Body:
+    if "members" in fields:
+        fields["members"] = tuple(Successor(*m) for m in fields["members"])
+    return cls(**fields)
 
 
 class ProtocolError(ValueError):
@@ -109,13 +97,11 @@ class ProtocolError(ValueError):
 
 
 @dataclass(frozen=True)
-class Message:
-    type: str
-    epoch: int
-    fields: dict[str, Any]
+class Envelope:
+    """A control-plane message as received: its job epoch, and the message."""
 
-    def __getitem__(self, key: str) -> Any:
-        return self.fields[key]
+    epoch: int
+    body: Body
 
 
 class Codec:
@@ -129,13 +115,14 @@ class Codec:
         self._seq = itertools.count(1)
         self._last_seq: dict[str, int] = {}
 
-    def encode(self, type: str, epoch: int, **fields: Any) -> list[bytes]:
-        _check_fields(type, fields)
-        body = msgpack.packb({"v": VERSION, "type": type, "epoch": epoch, "sid": self._sid,
-                              "seq": next(self._seq), "ts": time.time(), **fields})
+    def encode(self, msg: Body, epoch: int) -> list[bytes]:
+        payload = msg.payload()
+        _check_fields(msg.TYPE, payload)
+        body = msgpack.packb({"v": VERSION, "type": msg.TYPE, "epoch": epoch, "sid": self._sid,
+                              "seq": next(self._seq), "ts": time.time(), **payload})
         return [body, hmac.new(self._secret, body, hashlib.sha256).digest()]
 
-    def decode(self, frames: list[bytes]) -> Message:
+    def decode(self, frames: list[bytes]) -> Envelope:
         if len(frames) != 2:
             raise ProtocolError(f"expected 2 frames, got {len(frames)}")
         body, mac = frames
@@ -157,7 +144,7 @@ class Codec:
         if seq <= self._last_seq.get(sid, 0):
             raise ProtocolError(f"replayed message (seq {seq} from {sid})")
         self._last_seq[sid] = seq
-        return Message(kind, epoch, data)
+        return Envelope(epoch, _build(messages.CONTROL[kind], data))
 
 
 def _unpack_map(body: bytes) -> dict[str, Any]:

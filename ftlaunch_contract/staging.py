@@ -19,6 +19,7 @@ import mmap
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ class Slot:
         self.buffer: mmap.mmap | None = None
         self._fd = -1
         self._anonymous_meta: dict[str, Any] | None = None
-        self.before_unmap = None  # e.g. un-pin the memory from CUDA
+        self.before_unmap: Callable[[mmap.mmap], None] | None = None  # e.g. un-pin from CUDA
 
     def ensure(self, nbytes: int) -> None:
         """Map at least ``nbytes``; the space is reserved up front (posix_fallocate), so a
@@ -85,7 +86,9 @@ class Slot:
         if not self._named:
             return self._anonymous_meta
         try:
-            return msgpack.unpackb(self.meta_path.read_bytes(), raw=False, strict_map_key=False)
+            meta: dict[str, Any] = msgpack.unpackb(self.meta_path.read_bytes(), raw=False,
+                                                   strict_map_key=False)
+            return meta
         except (OSError, ValueError):
             return None
 

@@ -34,7 +34,7 @@ class Storage(Protocol):
     def remove_prefix(self, prefix: str) -> None: ...
 
 
-def open_storage(uri: str | os.PathLike) -> Storage:
+def open_storage(uri: str | os.PathLike[str]) -> Storage:
     """``s3://bucket/prefix`` or a directory path."""
     text = os.fspath(uri)
     if text.startswith("s3://"):

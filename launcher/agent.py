@@ -17,8 +17,26 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from ftlaunch_contract.protocol import Message
+from ftlaunch_contract.messages import (
+    Abort,
+    Assign,
+    Body,
+    Committed,
+    Durable,
+    Failure,
+    Finished,
+    Join,
+    Leave,
+    Recover,
+    Resume,
+    Start,
+    Stop,
+    StoreReady,
+    Unhealthy,
+)
+from ftlaunch_contract.protocol import Envelope
 from launcher import UsageError, exit_codes, failures, node_policy
 from launcher.config import LaunchConfig
 from launcher.events import PhaseClock
@@ -48,15 +66,15 @@ class Agent:
         self.phase = Phase.JOINING
         self.deadline: float | None = None  # when the phase's wait ends
         self.epoch = 0
-        self.assignment: Message | None = None
-        self.start_order: Message | None = None  # the "start" being carried out
+        self.assignment: Assign | None = None
+        self.start_order: Start | None = None  # the one being carried out
         self.store: AgentStore | None = None
         self.spare_store: AgentStore | None = None  # next attempt's, already importing torch
         self.first_failure: failures.RankFailure | None = None
         self.recovery: PhaseClock | None = None  # times a recovery, from failure to ranks back
         self.policy = config.restart_policy  # of the recovery under way
-        self.order: Message | None = None  # the recover order under way
-        self.deferred: Message | None = None  # one that came while ranks were being stopped
+        self.order: Recover | None = None  # the order under way
+        self.deferred: Recover | None = None  # one that came while ranks were being stopped
         self.keep: tuple[int, ...] = ()  # pids that parked: they resume in place
         self.parked: dict[int, Rank] = {}  # local rank -> process waiting to resume in place
         self.stopping: set[int] = set()  # pids being stopped
@@ -93,7 +111,7 @@ class Agent:
 
     def on_event(self, event: Event) -> None:
         match event:
-            case Message():
+            case Envelope():
                 self.on_control(event)
             case RankExit():
                 self.on_rank_exit(event)
@@ -124,31 +142,32 @@ class Agent:
 
     # --- the coordinator's word ----------------------------------------------------------
 
-    def on_control(self, msg: Message) -> None:
-        if msg.epoch < self.epoch:
+    def on_control(self, received: Envelope) -> None:
+        if received.epoch < self.epoch:
             return
-        self.epoch = msg.epoch
-        if msg.type == "assign":
-            self._on_assign(msg)
-        elif msg.type == "start":
-            self._on_start(msg)
-        elif msg.type == "recover":
-            self._on_recover(msg)
-        elif msg.type == "committed":
-            self.committed_step = msg["step"]
-            self.events.emit("checkpoint_committed", f"checkpoint step {msg['step']} committed "
-                             "(every rank's shard durable)", console=False, step=msg["step"])
-            for rank in self.workers.alive():
-                self.hub.send(rank.proc.pid, "committed", step=msg["step"])
-        elif msg.type == "stop":
-            self._on_stop(msg["exit_code"], msg["reason"])
+        self.epoch = received.epoch
+        match received.body:
+            case Assign() as msg:
+                self._on_assign(msg)
+            case Start() as msg:
+                self._on_start(msg)
+            case Recover() as msg:
+                self._on_recover(msg)
+            case Committed(step=step):
+                self.committed_step = step
+                self.events.emit("checkpoint_committed", f"checkpoint step {step} committed "
+                                 "(every rank's shard durable)", console=False, step=step)
+                for rank in self.workers.alive():
+                    self.hub.send(rank.proc.pid, Committed(step=step))
+            case Stop(exit_code=exit_code, reason=reason):
+                self._on_stop(exit_code, reason)
 
-    def _on_assign(self, msg: Message) -> None:
+    def _on_assign(self, msg: Assign) -> None:
         if self.phase != Phase.JOINING:
             log.warning("ignored an assignment in phase %s", self.phase)
             return
         self.assignment = msg
-        if msg["group_rank"] == 0:  # the node holding torch's store for this attempt
+        if msg.group_rank == 0:  # the node holding torch's store for this attempt
             try:
                 self.store, self.spare_store = self.spare_store, None
                 if self.store is None:
@@ -157,10 +176,10 @@ class Agent:
                 raise UsageError(f"cannot serve torch's store on {self.plan.addr}:"
                                  f"{self.config.master_port}: {e.strerror}; pick another "
                                  "--master-port (0 = any free port) or --master-addr") from None
-            self._send("store_ready", master_addr=self.plan.addr, master_port=self.store.port)
+            self._send(StoreReady(master_addr=self.plan.addr, master_port=self.store.port))
         self._enter(Phase.STARTING)
 
-    def _on_start(self, msg: Message) -> None:
+    def _on_start(self, msg: Start) -> None:
         """Start the ranks, once dead ranks' GPU memory is released (bounded: RELEASING)."""
         if self.phase != Phase.STARTING:
             log.info("ignored a start in phase %s", self.phase)
@@ -173,7 +192,7 @@ class Agent:
         else:
             self._start_ranks()
 
-    def _on_recover(self, msg: Message) -> None:
+    def _on_recover(self, msg: Recover) -> None:
         verdict = node_policy.recover_action(self.phase, self.draining)
         if verdict.action == OrderAction.LEAVE:
             self._leave_unhealthy(self.draining)
@@ -182,16 +201,16 @@ class Agent:
         elif verdict.action == OrderAction.RECOVER:
             self._recover(msg)
 
-    def _recover(self, msg: Message) -> None:
+    def _recover(self, msg: Recover) -> None:
         """Tell re-enterable survivors to leave their training function (PARKING), then
         stop the others (STOPPING), back off and re-join."""
         self.recovery = self.recovery or PhaseClock()
         self.recovery.mark("decide")
-        self.order, self.policy = msg, msg["policy"]
-        self.events.emit("recovering", f"{msg['cause']} -> {msg['policy']} restart "
-                         f"{msg['restart_count']}/{self.config.max_restarts}",
-                         cause=msg["cause"], policy=msg["policy"],
-                         restart_count=msg["restart_count"], delay=msg["delay"])
+        self.order, self.policy = msg, msg.policy
+        self.events.emit("recovering", f"{msg.cause} -> {msg.policy} restart "
+                         f"{msg.restart_count}/{self.config.max_restarts}",
+                         cause=msg.cause, policy=msg.policy, restart_count=msg.restart_count,
+                         delay=msg.delay)
         now = self.clock()
         deadline = now + (self.config.stop_timeout if self.policy == "rank" else 0.0)
         if self.phase == Phase.PARKING:  # a newer order of the same recovery
@@ -199,7 +218,7 @@ class Agent:
         else:
             self._enter(Phase.PARKING, deadline)
         for pid in node_policy.to_abort(self._survivors(), self.policy):
-            self.hub.send(pid, "abort")
+            self.hub.send(pid, Abort())
         self._try_park(now)
 
     def _try_park(self, now: float) -> None:
@@ -248,14 +267,14 @@ class Agent:
             if exit_.failure is not None:
                 self._report_failure(exit_.failure)
             elif not self.workers.alive():
-                self._send("finished", node_id=self.plan.node_id)
+                self._send(Finished(node_id=self.plan.node_id))
                 self._enter(Phase.FINISHED)
 
     def on_rank_messages(self) -> None:
         now = self.clock()
         news = self.hub.receive(now)
-        for rank, step in news.durable:  # the coordinator tells when every rank's is
-            self._send("durable", node_id=self.plan.node_id, rank=rank, step=step)
+        for shard_rank, step in news.durable:  # the coordinator tells when every rank's is
+            self._send(Durable(node_id=self.plan.node_id, rank=shard_rank, step=step))
         if self.phase == Phase.PARKING:
             self._try_park(now)
         if self.phase != Phase.RUNNING:
@@ -269,8 +288,9 @@ class Agent:
                 # It raised on its own and parked in restartable(): this rank's failure.
                 last = error.strip().splitlines()[-1] if error.strip() else "an exception"
                 self._report_failure(failures.RankFailure(
-                    rank.rank, rank.local_rank, pid, None, "", rank.error_file, time.time(),
-                    f"raised {last}", error))
+                    rank=rank.rank, local_rank=rank.local_rank, pid=pid, exit_code=None,
+                    signal="", error_file=rank.error_file, time=time.time(),
+                    message=f"raised {last}", traceback=error))
 
     def _report_failure(self, failure: failures.RankFailure) -> None:
         """An attempt's first failure goes to the coordinator, which orders the recovery."""
@@ -279,9 +299,9 @@ class Agent:
         self.events.emit("rank_failed", f"rank {failure.rank} {failure.cause}",
                          rank=failure.rank, local_rank=failure.local_rank,
                          exit_code=failure.exit_code, signal=failure.signal)
-        self._send("failure", node_id=self.plan.node_id, rank=failure.rank,
-                   local_rank=failure.local_rank, exit_code=failure.exit_code,
-                   signal=failure.signal, cause=failure.cause, step=self.hub.best_step)
+        self._send(Failure(node_id=self.plan.node_id, rank=failure.rank,
+                           local_rank=failure.local_rank, exit_code=failure.exit_code,
+                           signal=failure.signal, cause=failure.cause, step=self.hub.best_step))
         self._enter(Phase.FAILED)
 
     def _check_hangs(self, now: float) -> None:
@@ -310,8 +330,8 @@ class Agent:
             self.shutdown_signal = signum
             self.events.emit("signal", f"got {signal.Signals(signum).name}: forwarded to ranks, "
                              f"SIGKILL in {self.config.grace_period:g}s", signal=signum)
-            self._send("leave", node_id=self.plan.node_id, exit_code=exit_codes.SIGNAL_BASE + signum,
-                       reason=f"{signal.Signals(signum).name}")
+            self._send(Leave(node_id=self.plan.node_id, exit_code=exit_codes.SIGNAL_BASE + signum,
+                             reason=signal.Signals(signum).name))
             self._enter(Phase.LEAVING, self.clock() + self.config.grace_period)
             self.parked.clear()  # no resuming now: they get the signal like every rank
         elif signum in (signal.SIGINT, signal.SIGTERM):
@@ -342,10 +362,10 @@ class Agent:
                          "ranks and leaving the job (exit 3: do not requeue on this node)",
                          reason=reason)
         if self.plan.max_nodes > 1:  # the others recover without us
-            self._send("unhealthy", node_id=self.plan.node_id, reason=reason)
+            self._send(Unhealthy(node_id=self.plan.node_id, reason=reason))
         else:
-            self._send("leave", node_id=self.plan.node_id, exit_code=exit_codes.DO_NOT_REQUEUE,
-                       reason=f"unhealthy: {reason}")
+            self._send(Leave(node_id=self.plan.node_id, exit_code=exit_codes.DO_NOT_REQUEUE,
+                             reason=f"unhealthy: {reason}"))
         print(f"ftlaunch: node unhealthy: {reason}. Drain this node and have its GPUs checked "
               "(nvidia-smi -q, a GPU reset or a reboot); exit 3: do not requeue here.",
               file=sys.stderr, flush=True)
@@ -354,7 +374,7 @@ class Agent:
     def _follow_coordinator(self) -> None:
         """The coordinator's node went silent: stop our ranks and re-join its successor."""
         lost = self.control.coordinator_node
-        group_world_size = self.assignment["group_world_size"] if self.assignment else 0
+        group_world_size = self.assignment.group_world_size if self.assignment else 0
         successor = self.control.fail_over(self.epoch, self.restart_count, group_world_size)
         if successor is None:
             self._on_stop(exit_codes.JOB_FAILED, f"coordinator node {lost} lost, no successor")
@@ -423,11 +443,14 @@ class Agent:
         a, msg = self.assignment, self.start_order
         assert a is not None and msg is not None
         self._report_gpu_memory_held()
-        self.restart_count = msg["restart_count"]
-        attempt = Attempt(self.plan.run_id, self.config.role, a["group_rank"], a["group_world_size"],
-                          a["rank_offset"], a["world_size"], self.plan.local_world_size,
-                          msg["master_addr"], msg["master_port"], msg["restart_count"],
-                          a["max_restarts"], self.config.signals_to_handle)
+        self.restart_count = msg.restart_count
+        attempt = Attempt(run_id=self.plan.run_id, role=self.config.role,
+                          group_rank=a.group_rank, group_world_size=a.group_world_size,
+                          rank_offset=a.rank_offset, world_size=a.world_size,
+                          local_world_size=self.plan.local_world_size,
+                          master_addr=msg.master_addr, master_port=msg.master_port,
+                          restart_count=msg.restart_count, max_restarts=a.max_restarts,
+                          signals_to_handle=self.config.signals_to_handle)
         now = self.clock()
         self.hub.reset_steps()
         sources: dict[str, list[int]] = {"resumed": [], "warm": [], "fresh": []}
@@ -436,7 +459,7 @@ class Agent:
             if kept is not None:
                 env = self.workers.resume(kept, attempt)
                 self.hub.track(kept.proc.pid, now)
-                self.hub.send(kept.proc.pid, "resume", env=env)
+                self.hub.send(kept.proc.pid, Resume(env=env))
                 sources["resumed"].append(kept.rank)
                 continue
             warm = self.pool.take(local_rank) if self.pool and self.policy != "cold" else None
@@ -454,7 +477,8 @@ class Agent:
                              f"ranks back {self.recovery.total:.3f}s after the failure "
                              f"({phases}; ranks {how})",
                              restart_count=attempt.restart_count, seconds=self.recovery.total,
-                             policy=self.policy, phases=self.recovery.phases, **sources)
+                             policy=self.policy, phases=self.recovery.phases,
+                             **dict[str, Any](sources))
             self.recovery = None
         else:
             self.events.emit("started", f"started {self.plan.local_world_size} ranks "
@@ -503,16 +527,16 @@ class Agent:
             if order is not None:
                 self._recover(order)
             else:
-                self._enter(Phase.BACKING_OFF, self.clock() + self.order["delay"])
+                self._enter(Phase.BACKING_OFF, self.clock() + self.order.delay)
 
     def _join(self) -> None:
         self._enter(Phase.JOINING)
         self._send_join()
 
     def _send_join(self) -> None:
-        self._send("join", node_id=self.plan.node_id, local_world_size=self.plan.local_world_size,
-                   addr=self.plan.addr, standby_port=self.control.standby_port or 0,
-                   rank_hint=self.plan.rank_hint)
+        self._send(Join(node_id=self.plan.node_id, local_world_size=self.plan.local_world_size,
+                        addr=self.plan.addr, standby_port=self.control.standby_port or 0,
+                        rank_hint=self.plan.rank_hint))
 
     def _done(self, exit_code: int) -> None:
         self.exit_code = exit_code
@@ -546,8 +570,8 @@ class Agent:
         if self.pool is not None:
             self.pool.fill(range(self.plan.local_world_size))
         if (self.spare_store is None and self.assignment is not None
-                and self.assignment["group_rank"] == 0 and self.plan.store_port() == 0):
+                and self.assignment.group_rank == 0 and self.plan.store_port() == 0):
             self.spare_store = self.io.new_store(self.plan.addr, 0)
 
-    def _send(self, kind: str, **fields) -> None:
-        self.control.send(kind, self.epoch, **fields)
+    def _send(self, msg: Body) -> None:
+        self.control.send(msg, self.epoch)

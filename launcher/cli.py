@@ -39,9 +39,8 @@ class _Command(click.Command):
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         for group in (TORCHRUN, RECOVERY, GENERAL):
-            rows = [p.get_help_record(ctx) for p in self.get_params(ctx)
-                    if getattr(p, "group", GENERAL) == group]
-            rows = [r for r in rows if r]
+            rows = [r for p in self.get_params(ctx) if getattr(p, "group", GENERAL) == group
+                    and (r := p.get_help_record(ctx)) is not None]
             if rows:
                 with formatter.section(group[0].upper() + group[1:]):
                     formatter.write_dl(rows)
@@ -72,7 +71,7 @@ def _option_for(f: dataclasses.Field) -> click.Option:
 
 
 def _build_command() -> click.Command:
-    params = [_option_for(f) for f in dataclasses.fields(LaunchConfig)]
+    params: list[click.Parameter] = [_option_for(f) for f in dataclasses.fields(LaunchConfig)]
     params.append(click.Argument(["training_script"], metavar="TRAINING_SCRIPT"))
     params.append(click.Argument(["training_script_args"], nargs=-1, type=click.UNPROCESSED))
     return _Command(

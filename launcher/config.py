@@ -180,10 +180,11 @@ class LaunchConfig:
         """Per local rank: where (stdout, stderr) go. Redirect = file only; tee = file + console."""
         redirect = _parse_std(self.redirects, "--redirects", local_world_size)
         tee = _parse_std(self.tee, "--tee", local_world_size)
-        return {r: tuple(StreamMode(file=bool((redirect[r] | tee[r]) & bit),
-                                    console=bool(tee[r] & bit) or not redirect[r] & bit)
-                         for bit in (1, 2))
-                for r in range(local_world_size)}
+
+        def mode(r: int, bit: int) -> StreamMode:
+            return StreamMode(file=bool((redirect[r] | tee[r]) & bit),
+                              console=bool(tee[r] & bit) or not redirect[r] & bit)
+        return {r: (mode(r, 1), mode(r, 2)) for r in range(local_world_size)}
 
     def console_ranks(self, local_world_size: int) -> set[int]:
         """Local ranks whose output reaches the console (``--local-ranks-filter``)."""
@@ -202,7 +203,7 @@ class LaunchConfig:
 
     def signals(self) -> list[signal.Signals]:
         """``--signals-to-handle`` as signal objects."""
-        result = []
+        result: list[signal.Signals] = []
         for name in (s.strip() for s in self.signals_to_handle.split(",") if s.strip()):
             try:
                 sig = signal.Signals[name if name.startswith("SIG") else "SIG" + name]

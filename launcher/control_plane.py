@@ -14,7 +14,8 @@ from pathlib import Path
 
 import zmq
 
-from ftlaunch_contract.protocol import Codec, Message, ProtocolError
+from ftlaunch_contract.messages import Assign, Body, Heartbeat, HeartbeatAck, Successors
+from ftlaunch_contract.protocol import Codec, Envelope, ProtocolError
 from launcher import UsageError, membership
 from launcher.coordinator import Coordinator, JobState, bind_router
 
@@ -60,8 +61,9 @@ class ControlPlane:
         self._node_timeout, self._interval = node_timeout, heartbeat_interval
         self.codec = Codec(secret)
         self.coordinator: Coordinator | None = None
+        self.standby: zmq.Socket | None
         self.standby, self.standby_port = bind_router(context, addr, 0)
-        self.members: list[list] = []  # [[node_id, addr, standby_port], ...] by group rank
+        self.members: Successors = ()  # by group rank: who would take over the coordinator
         self.coordinator_node = ""
         self._lost: set[str] = set()
         if endpoint is None:  # single node: our own coordinator on a free local port
@@ -102,24 +104,25 @@ class ControlPlane:
 
     # --- traffic -------------------------------------------------------------------------
 
-    def send(self, kind: str, epoch: int, **fields) -> None:
-        self.socket.send_multipart(self.codec.encode(kind, epoch, **fields))
+    def send(self, msg: Body, epoch: int) -> None:
+        self.socket.send_multipart(self.codec.encode(msg, epoch))
 
-    def receive(self) -> Message | None:
+    def receive(self) -> Envelope | None:
         """The next coordinator message, or None for heartbeat acks and dropped messages."""
         try:
-            msg = self.codec.decode(self.socket.recv_multipart())
+            received = self.codec.decode(self.socket.recv_multipart())
         except ProtocolError as e:
             log.warning("dropped control message: %s", e)
             return None
         self.last_heard = time.monotonic()
-        if msg.type == "assign":
-            self.members, self.coordinator_node = msg["members"], msg["coordinator_node"]
-        return None if msg.type == "heartbeat_ack" else msg
+        if isinstance(received.body, Assign):
+            self.members = received.body.members
+            self.coordinator_node = received.body.coordinator_node
+        return None if isinstance(received.body, HeartbeatAck) else received
 
     def heartbeat_if_due(self, now: float) -> None:
         if now >= self.next_heartbeat:
-            self.send("heartbeat", 0, node_id=self.node_id)
+            self.send(Heartbeat(node_id=self.node_id), 0)
             self.next_heartbeat = now + self._interval
 
     def woke(self, now: float) -> None:
@@ -136,11 +139,11 @@ class ControlPlane:
     def fail_over(self, epoch: int, restart_count: int, group_world_size: int) -> str | None:
         """Follow the coordinator to its successor (maybe us); returns the successor or None."""
         self._lost.add(self.coordinator_node)
-        by_rank = [m[0] for m in self.members]
+        by_rank = [m.node_id for m in self.members]
         successor = membership.successor(by_rank, self._lost)
         if successor is None:
             return None
-        entry = next(m for m in self.members if m[0] == successor)
+        entry = next(m for m in self.members if m.node_id == successor)
         if successor == self.node_id and self.standby is not None:
             state = self.new_state_for_host()
             state.epoch, state.restart_count = epoch, restart_count
@@ -155,7 +158,7 @@ class ControlPlane:
             self._host(self.standby, state, takeover=f"coordinator node {self.coordinator_node} lost")
             self.standby = None
         self.socket.disconnect(self._endpoint)
-        self._endpoint = f"tcp://{entry[1]}:{entry[2]}"
+        self._endpoint = f"tcp://{entry.addr}:{entry.standby_port}"
         self.socket.connect(self._endpoint)
         self.coordinator_node = successor
         self.last_heard = time.monotonic()

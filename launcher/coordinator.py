@@ -11,10 +11,29 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import zmq
 
-from ftlaunch_contract.protocol import Codec, Message, ProtocolError
+from ftlaunch_contract.messages import (
+    Assign,
+    Body,
+    Committed,
+    Durable,
+    Failure,
+    Finished,
+    Heartbeat,
+    HeartbeatAck,
+    Join,
+    Leave,
+    Recover,
+    Start,
+    Stop,
+    StoreReady,
+    Successor,
+    Unhealthy,
+)
+from ftlaunch_contract.protocol import Codec, Envelope, ProtocolError
 from launcher import exit_codes, membership, recovery
 from launcher.commits import CommitLog
 
@@ -26,7 +45,16 @@ SUCCESSORS = 16
 Enough for 15 coordinator losses in a row, and keeps each assign O(1) in the job's size."""
 
 
-@dataclass
+class RoundPhase(StrEnum):
+    """The coordinator's phase (drawn in docs/protocol.md)."""
+
+    JOINING = "joining"  # a rendezvous round is open
+    WAITING_STORE = "waiting_store"  # assigned: waiting for group rank 0's store
+    RUNNING = "running"
+    DONE = "done"  # the job's exit code is decided
+
+
+@dataclass(kw_only=True)
 class JobState:
     """Everything the coordinator knows; the next round is computed from it."""
 
@@ -47,7 +75,7 @@ class JobState:
     restart_count: int = 0
     progress: recovery.Progress = field(default_factory=recovery.Progress)
     current_policy: str = ""  # the rung of the last recovery
-    phase: str = "joining"  # joining -> waiting_store -> running -> (joining | done)
+    phase: RoundPhase = RoundPhase.JOINING
     running_since: float | None = None  # when the current attempt's ranks were started
     members: dict[str, membership.Member] = field(default_factory=dict)
     standby_ports: dict[str, int] = field(default_factory=dict)
@@ -111,9 +139,9 @@ class Coordinator:
         poller.register(self._socket, zmq.POLLIN)
         next_tick = 0.0
         while not self._stopping.is_set():
-            if poller.poll(TICK_SECONDS * 1000):
+            if poller.poll(int(TICK_SECONDS * 1000)):
                 self._drain()
-                if self._state.phase == "joining" and self._state.final is None:
+                if self._state.phase == RoundPhase.JOINING and self._state.final is None:
                     self._maybe_complete_round(time.monotonic())  # not a tick later
             if time.monotonic() >= next_tick:  # liveness scans are O(N): not once a message
                 next_tick = time.monotonic() + TICK_SECONDS
@@ -138,75 +166,78 @@ class Coordinator:
             except Exception:  # a bug must not silently stop the job's only decider
                 log.exception("coordinator failed to handle a message")
 
-    def _send(self, identity: bytes, kind: str, **fields) -> None:
-        self._socket.send_multipart([identity, *self._codec.encode(kind, self._state.epoch, **fields)])
+    def _send(self, identity: bytes, msg: Body) -> None:
+        self._socket.send_multipart([identity, *self._codec.encode(msg, self._state.epoch)])
 
-    def _broadcast(self, kind: str, **fields) -> None:
+    def _broadcast(self, msg: Body) -> None:
         for identity in self._state.identities.values():
-            self._send(identity, kind, **fields)
+            self._send(identity, msg)
 
     # --- messages ------------------------------------------------------------------------
 
-    def _handle(self, identity: bytes, msg: Message, now: float) -> None:
-        s = self._state
-        node = msg.fields.get("node_id")
+    def _handle(self, identity: bytes, received: Envelope, now: float) -> None:
+        s, msg = self._state, received.body
+        node: str = getattr(msg, "node_id", "")
         if s.final is not None:  # the job is over: tell whoever still talks to us
-            self._send(identity, "stop", exit_code=s.final[0], reason=s.final[1])
+            self._send(identity, Stop(exit_code=s.final[0], reason=s.final[1]))
             return
-        if msg.type == "heartbeat":
+        if isinstance(msg, Heartbeat):
             if node in s.members or node in s.group_ranks:  # after a takeover: not joined yet
                 s.last_seen[node] = now
                 s.identities[node] = identity
-                self._send(identity, "heartbeat_ack")
+                self._send(identity, HeartbeatAck())
             else:  # declared lost but alive (it froze, or the network healed): come back in
-                self._send(identity, "recover", policy=s.current_policy or s.policy,
-                           restart_count=s.restart_count,
-                           delay=0.0, cause=f"node {node} was dropped from the job; re-joining")
+                self._send(identity, Recover(
+                    policy=s.current_policy or s.policy, restart_count=s.restart_count,
+                    delay=0.0, cause=f"node {node} was dropped from the job; re-joining"))
             return
-        if msg.type == "join":
+        if isinstance(msg, Join):
             self._on_join(identity, msg, now)
             return
-        if msg.type == "durable":  # a fact about storage, whatever the epoch it was sent in
-            step = s.commits.report(msg["rank"], msg["step"])
+        if isinstance(msg, Durable):  # a fact about storage, whatever the epoch it was sent in
+            step = s.commits.report(msg.rank, msg.step)
             if step is not None:
-                self._broadcast_round("committed", step=step)
+                self._broadcast_round(Committed(step=step))
             return
-        if msg.epoch != s.epoch:
-            log.info("ignored stale %s (epoch %d, now %d)", msg.type, msg.epoch, s.epoch)
+        if received.epoch != s.epoch:
+            log.info("ignored stale %s (epoch %d, now %d)", msg.TYPE, received.epoch, s.epoch)
             return
         if node in s.members:
             s.last_seen[node] = now
-        if msg.type == "store_ready" and s.phase == "waiting_store":
-            s.phase = "running"
-            s.running_since = now
-            self._broadcast_round("start", master_addr=msg["master_addr"],
-                                  master_port=msg["master_port"], restart_count=s.restart_count)
-        elif msg.type == "failure" and s.phase == "running":
-            self._recover_from(f"rank {msg['rank']} (node {node}) {msg['cause']}", now,
-                               step=msg["step"])
-        elif msg.type == "finished" and s.phase == "running":
-            s.finished.add(node)
-            s.first_finished_at = s.first_finished_at or now
-            if s.finished >= set(s.group_ranks):
-                self._finish(exit_codes.OK, "all ranks finished")
-        elif msg.type == "leave":
-            self._finish(msg["exit_code"], f"node {node} left: {msg['reason']}")
-        elif msg.type == "unhealthy" and node in s.members:
-            self._lose(node, now, f"node {node} excluded: {msg['reason']}")
+        match msg:
+            case StoreReady() if s.phase == RoundPhase.WAITING_STORE:
+                s.phase = RoundPhase.RUNNING
+                s.running_since = now
+                self._broadcast_round(Start(master_addr=msg.master_addr,
+                                            master_port=msg.master_port,
+                                            restart_count=s.restart_count))
+            case Failure() if s.phase == RoundPhase.RUNNING:
+                self._recover_from(f"rank {msg.rank} (node {node}) {msg.cause}", now,
+                                   step=msg.step)
+            case Finished() if s.phase == RoundPhase.RUNNING:
+                s.finished.add(node)
+                s.first_finished_at = s.first_finished_at or now
+                if s.finished >= set(s.group_ranks):
+                    self._finish(exit_codes.OK, "all ranks finished")
+            case Leave():
+                self._finish(msg.exit_code, f"node {node} left: {msg.reason}")
+            case Unhealthy() if node in s.members:
+                self._lose(node, now, f"node {node} excluded: {msg.reason}")
 
-    def _on_join(self, identity: bytes, msg: Message, now: float) -> None:
+    def _on_join(self, identity: bytes, msg: Join, now: float) -> None:
         s = self._state
-        node = msg["node_id"]
-        s.members[node] = membership.Member(node, msg["local_world_size"], msg["addr"],
-                                            msg["rank_hint"])
-        s.standby_ports[node] = msg["standby_port"]
+        node = msg.node_id
+        s.members[node] = membership.Member(node, msg.local_world_size, msg.addr, msg.rank_hint)
+        s.standby_ports[node] = msg.standby_port
         s.identities[node] = identity
         s.last_seen[node] = now
-        if s.phase == "joining" and (node in s.round_joined or len(s.round_joined) < s.max_nodes):
+        if s.phase == RoundPhase.JOINING and (node in s.round_joined
+                                              or len(s.round_joined) < s.max_nodes):
             s.round_joined.add(node)
             if len(s.round_joined) >= s.min_nodes and s.min_reached_at is None:
                 s.min_reached_at = now
-        elif (s.phase in ("waiting_store", "running") and node not in s.group_ranks
+        elif (s.phase in (RoundPhase.WAITING_STORE, RoundPhase.RUNNING)
+              and node not in s.group_ranks
               and len(s.group_ranks) < s.max_nodes):
             # A late joiner within MAX: scale up at the next safe point, i.e. now (a restart).
             self._start_new_round(f"node {node} joined: scaling up to {len(s.group_ranks) + 1} "
@@ -226,9 +257,9 @@ class Coordinator:
         s.running_since = None
         decision = recovery.decide(s.restart_count, s.max_restarts, s.policy, cause,
                                    s.backoff, s.backoff_max, s.progress, s.max_stalled)
-        if decision.action == "fail":
+        if decision.action == recovery.Action.FAIL:
             self._finish(exit_codes.JOB_FAILED, decision.reason)
-        elif decision.action == "stalled":
+        elif decision.action == recovery.Action.STALLED:
             self._finish(exit_codes.DO_NOT_REQUEUE, decision.reason)
         else:
             s.current_policy = decision.policy
@@ -239,10 +270,9 @@ class Coordinator:
         s.restart_count = restart_count
         s.expected = set(s.group_ranks)
         s.expected_count = max(s.expected_count, len(s.expected))
-        self._broadcast_round("recover", policy=s.current_policy or s.policy,
-                              restart_count=restart_count,
-                              delay=delay, cause=cause)
-        s.phase = "joining"
+        self._broadcast_round(Recover(policy=s.current_policy or s.policy,
+                                      restart_count=restart_count, delay=delay, cause=cause))
+        s.phase = RoundPhase.JOINING
         s.round_joined.clear()
         s.joining_since = now
         s.min_reached_at = None
@@ -260,25 +290,26 @@ class Coordinator:
         s.group_ranks = {a.node_id: a.group_rank for a in assignments}
         if assignments and assignments[0].world_size != s.commits.world_size:
             s.commits = CommitLog(assignments[0].world_size)  # shards of another world differ
-        members = [[a.node_id, s.members[a.node_id].addr, s.standby_ports[a.node_id]]
-                   for a in assignments[:SUCCESSORS]]
-        s.phase = "waiting_store"
+        members = tuple(Successor(a.node_id, s.members[a.node_id].addr,
+                                  s.standby_ports[a.node_id]) for a in assignments[:SUCCESSORS])
+        s.phase = RoundPhase.WAITING_STORE
         for a in assignments:
-            self._send(s.identities[a.node_id], "assign", group_rank=a.group_rank,
-                       group_world_size=a.group_world_size, rank_offset=a.rank_offset,
-                       world_size=a.world_size, restart_count=s.restart_count,
-                       max_restarts=s.max_restarts, members=members, coordinator_node=s.host_node)
+            self._send(s.identities[a.node_id], Assign(
+                group_rank=a.group_rank, group_world_size=a.group_world_size,
+                rank_offset=a.rank_offset, world_size=a.world_size,
+                restart_count=s.restart_count, max_restarts=s.max_restarts, members=members,
+                coordinator_node=s.host_node))
 
-    def _broadcast_round(self, kind: str, **fields) -> None:
+    def _broadcast_round(self, msg: Body) -> None:
         """To the nodes of the current round we can reach (a successor knows none at first)."""
         for node in self._state.group_ranks:
             if node in self._state.identities:
-                self._send(self._state.identities[node], kind, **fields)
+                self._send(self._state.identities[node], msg)
 
     def _finish(self, exit_code: int, reason: str) -> None:
-        self._state.phase = "done"
+        self._state.phase = RoundPhase.DONE
         self._state.final = (exit_code, reason)
-        self._broadcast("stop", exit_code=exit_code, reason=reason)
+        self._broadcast(Stop(exit_code=exit_code, reason=reason))
 
     def _tick(self, now: float) -> None:
         s = self._state
@@ -287,13 +318,14 @@ class Coordinator:
         alive = {n: t for n, t in s.last_seen.items() if n != s.host_node}
         for node in membership.silent_members(alive, now, s.node_timeout):
             self._lose(node, now)
-        if (s.final is None and s.phase == "joining" and not self._maybe_complete_round(now)
+        if (s.final is None and s.phase == RoundPhase.JOINING
+                and not self._maybe_complete_round(now)
                 and now - s.joining_since > s.join_timeout):
             self._finish(exit_codes.JOB_FAILED,
                          f"rendezvous timed out: {len(s.round_joined)} of at least "
                          f"{s.min_nodes} nodes joined within {s.join_timeout:g}s; start the "
                          "missing nodes or raise --rdzv-conf join_timeout")
-        if (s.phase == "running" and s.first_finished_at is not None
+        if (s.phase == RoundPhase.RUNNING and s.first_finished_at is not None
                 and now - s.first_finished_at > s.exit_barrier_timeout):
             missing = sorted(set(s.group_ranks) - s.finished)
             self._finish(exit_codes.JOB_FAILED, f"exit barrier timed out waiting for {missing}")
@@ -319,7 +351,7 @@ class Coordinator:
             table.pop(node, None)
         s.round_joined.discard(node)
         if node in s.group_ranks:
-            in_round = s.phase in ("waiting_store", "running")
+            in_round = s.phase in (RoundPhase.WAITING_STORE, RoundPhase.RUNNING)
             del s.group_ranks[node]
             if in_round:
                 self._recover_from(cause, now)

@@ -325,8 +325,8 @@ def doctor(as_json, staging_gib, master_port, rdzv_endpoint, nproc, timeout, no_
             raise click.UsageError(f"--nproc {nproc} is more than the {cuda_devices} GPU(s) torch "
                                    f"sees (one per rank); use --nproc {cuda_devices} or fewer")
         checks.append(check_shm(staging_gib))
-        checks.append(check_port("master port", "0.0.0.0", master_port,
-                                 "pick another --master-port"))
+        port = check_port("master port", "0.0.0.0", master_port, "pick another --master-port")
+        checks += [port] if port is not None else []
         if rdzv_endpoint:
             checks += check_rdzv(*rdzv_endpoint)
         if not no_smoke:

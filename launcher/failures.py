@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RankFailure:
     rank: int
     local_rank: int
@@ -42,8 +42,9 @@ def from_returncode(rank: int, local_rank: int, pid: int, returncode: int,
     message, trace, when = _read_error_file(error_file)
     if agent_cause:
         message = agent_cause
-    return RankFailure(rank, local_rank, pid, exit_code, sig, error_file,
-                       when or time.time(), message, trace)
+    return RankFailure(rank=rank, local_rank=local_rank, pid=pid, exit_code=exit_code,
+                       signal=sig, error_file=error_file, time=when or time.time(),
+                       message=message, traceback=trace)
 
 
 def summary(failure: RankFailure) -> str:

@@ -24,6 +24,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Protocol
 
 FAKE_ENV = "FTLAUNCH_FAKE_NVML"
@@ -40,7 +41,17 @@ RECOVERY_ACTIONS = {1: ("drain", "the driver asks for a GPU reset"),
                     4: ("drain", "the driver asks to drain and reset the GPU")}
 """NVML_FI_DEV_GET_GPU_RECOVERY_ACTION values (0: none)."""
 
-SEVERITIES = ("warn", "drain", "fatal")
+
+
+class Severity(StrEnum):
+    """What a finding demands, mildest first (see above)."""
+
+    WARN = "warn"
+    DRAIN = "drain"
+    FATAL = "fatal"
+
+
+SEVERITIES = tuple(Severity)
 
 
 class NoGpu(Exception):
@@ -68,7 +79,7 @@ class Sample:
 
 @dataclass(frozen=True)
 class Finding:
-    severity: str  # "warn", "drain" or "fatal"
+    severity: Severity
     gpu: int
     kind: str
     detail: str
@@ -82,7 +93,7 @@ def assess(before: Sample | None, now: Sample) -> list[Finding]:
     found: list[Finding] = []
 
     def add(severity: str, kind: str, detail: str) -> None:
-        found.append(Finding(severity, now.index, kind, detail))
+        found.append(Finding(Severity(severity), now.index, kind, detail))
 
     was = before or Sample(now.index)
     if now.lost and not was.lost:
@@ -112,7 +123,7 @@ def assess(before: Sample | None, now: Sample) -> list[Finding]:
     return found
 
 
-def worst(findings: list[Finding]) -> str | None:
+def worst(findings: list[Finding]) -> Severity | None:
     return max((f.severity for f in findings), key=SEVERITIES.index, default=None)
 
 
@@ -177,7 +188,7 @@ class Nvml:
         return [self._read(i, h, tuple(xids.get(i, ()))) for i, h in enumerate(self._handles)]
 
     def _drain_xids(self) -> dict[int, list[int]]:
-        n, found = self._nvml, {}
+        n, found = self._nvml, dict[int, list[int]]()
         while self._events is not None:
             try:
                 data = n.nvmlEventSetWait_v2(self._events, 0)

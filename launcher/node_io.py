@@ -18,7 +18,7 @@ from pathlib import Path
 import zmq
 
 from ftlaunch_contract import environment, staging
-from ftlaunch_contract.protocol import Message
+from ftlaunch_contract.protocol import Envelope
 from launcher import stacks
 from launcher.events import EventLog
 from launcher.gpu_health import Finding
@@ -52,7 +52,7 @@ class PoolWarm:
     seconds: float  # how long the pool's processes took to import
 
 
-Event = Message | RankExit | RanksSpoke | SignalArrived | GpuFound | PoolWarm
+Event = Envelope | RankExit | RanksSpoke | SignalArrived | GpuFound | PoolWarm
 
 
 class NodeIO:

@@ -69,11 +69,13 @@ class NodePlan:
     def job_state(self) -> JobState:
         """A fresh coordinator state (every node derives the same)."""
         c = self.config
-        return JobState(self.min_nodes, self.max_nodes, c.max_restarts, c.restart_policy,
-                        c.restart_backoff, c.restart_backoff_max, c.exit_barrier_timeout,
-                        c.node_timeout, self.last_call_timeout, self.join_timeout,
-                        host_node=self.node_id, max_stalled=c.max_stalled_recoveries,
-                        healthy_after=c.healthy_interval)
+        return JobState(min_nodes=self.min_nodes, max_nodes=self.max_nodes,
+                        max_restarts=c.max_restarts, policy=c.restart_policy,
+                        backoff=c.restart_backoff, backoff_max=c.restart_backoff_max,
+                        exit_barrier_timeout=c.exit_barrier_timeout,
+                        node_timeout=c.node_timeout, last_call=self.last_call_timeout,
+                        join_timeout=self.join_timeout, host_node=self.node_id,
+                        max_stalled=c.max_stalled_recoveries, healthy_after=c.healthy_interval)
 
     def control_plane(self, context: zmq.Context) -> ControlPlane:
         return ControlPlane(context, self.secret, self.node_id, self.addr, self.endpoint,

@@ -118,18 +118,18 @@ class GpuAction(StrEnum):
 
 
 @dataclass(frozen=True)
-class Verdict:
-    action: str
+class GpuVerdict:
+    action: GpuAction
     reason: str
 
 
-def gpu_finding_action(severity: str, finding: str, draining: bool) -> Verdict:
-    """What a GPU health finding makes this node do."""
+def gpu_finding_action(severity: str, finding: str, draining: bool) -> GpuVerdict:
+    """What a GPU health finding (its severity: warn, drain, fatal) makes this node do."""
     if severity == "fatal":
-        return Verdict(GpuAction.LEAVE, f"{finding}: leaving the job now")
+        return GpuVerdict(GpuAction.LEAVE, f"{finding}: leaving the job now")
     if severity == "drain" and not draining:
-        return Verdict(GpuAction.DRAIN, f"{finding}: leaving the job at its next recovery")
-    return Verdict(GpuAction.WARN, f"{finding}")
+        return GpuVerdict(GpuAction.DRAIN, f"{finding}: leaving the job at its next recovery")
+    return GpuVerdict(GpuAction.WARN, f"{finding}")
 
 
 class OrderAction(StrEnum):
@@ -139,12 +139,18 @@ class OrderAction(StrEnum):
     IGNORE = "ignore"
 
 
-def recover_action(phase: Phase, draining: str) -> Verdict:
+@dataclass(frozen=True)
+class OrderVerdict:
+    action: OrderAction
+    reason: str
+
+
+def recover_action(phase: Phase, draining: str) -> OrderVerdict:
     """What a coordinator's ``recover`` order makes this node do, in ``phase``."""
     if phase in (Phase.LEAVING, Phase.DONE):
-        return Verdict(OrderAction.IGNORE, f"leaving already ({phase})")
+        return OrderVerdict(OrderAction.IGNORE, f"leaving already ({phase})")
     if draining:
-        return Verdict(OrderAction.LEAVE, f"{draining}: leaving at this recovery")
+        return OrderVerdict(OrderAction.LEAVE, f"{draining}: leaving at this recovery")
     if phase == Phase.STOPPING:
-        return Verdict(OrderAction.DEFER, "taken once the ranks being stopped are gone")
-    return Verdict(OrderAction.RECOVER, "")
+        return OrderVerdict(OrderAction.DEFER, "taken once the ranks being stopped are gone")
+    return OrderVerdict(OrderAction.RECOVER, "the ranks park or stop, then the node re-joins")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ftlaunch_contract import environment
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Attempt:
     """One start of this node's ranks: what the rendezvous round decided."""
 

@@ -16,6 +16,17 @@ from pathlib import Path
 
 import zmq
 
+from ftlaunch_contract.messages import (
+    Beat,
+    Body,
+    Hello,
+    Learned,
+    Parked,
+    Restartable,
+    Section,
+    ShardDurable,
+    Tick,
+)
 from ftlaunch_contract.protocol import ProtocolError, pack_local, unpack_local
 from launcher.hang_detection import HangTimeouts, RankActivity, hung_ranks
 
@@ -101,38 +112,39 @@ class RankHub:
             except ProtocolError as e:
                 log.warning("dropped rank message: %s", e)
                 continue
-            link = self.links.get(msg["pid"])
+            link = self.links.get(getattr(msg, "pid", -1))
             if link is None:
-                continue  # not one of ours (or already gone)
-            if msg.type == "hello":
-                link.identity, link.stacks = identity, link.stacks or msg["stacks"]
-                for command in link.pending:
-                    self.socket.send_multipart([identity, command])
-                link.pending.clear()
-            elif msg.type == "restartable":
-                link.restartable = True
-            elif msg.type == "learned":
-                link.activity.restore(msg["interval"])
-            elif msg.type == "tick":
-                # When it was sent, not read: ticks queued while the agent was starved of
-                # CPU must not make a frozen rank look alive.
-                link.activity.last_tick = min(now, msg["sent"])
-            elif msg.type == "beat":
-                link.activity.beat(now, msg["step"])
-                self.best_step = max(self.best_step, msg["step"])
-            elif msg.type == "section":
-                link.activity.section(now, msg["name"], msg["open"])
-            elif msg.type == "durable":
-                news.durable.append((msg["rank"], msg["step"]))
-            elif msg.type == "parked":
-                link.parked, link.error = True, msg["error"]
-                news.parked.append(msg["pid"])
+                continue  # not one of ours (or already gone), or not a rank's message
+            match msg:
+                case Hello():
+                    link.identity, link.stacks = identity, link.stacks or msg.stacks
+                    for command in link.pending:
+                        self.socket.send_multipart([identity, command])
+                    link.pending.clear()
+                case Restartable():
+                    link.restartable = True
+                case Learned():
+                    link.activity.restore(msg.interval)
+                case Tick():
+                    # When it was sent, not read: ticks queued while the agent was starved
+                    # of CPU must not make a frozen rank look alive.
+                    link.activity.last_tick = min(now, msg.sent)
+                case Beat():
+                    link.activity.beat(now, msg.step)
+                    self.best_step = max(self.best_step, msg.step)
+                case Section():
+                    link.activity.section(now, msg.name, msg.open)
+                case ShardDurable():
+                    news.durable.append((msg.rank, msg.step))
+                case Parked():
+                    link.parked, link.error = True, msg.error
+                    news.parked.append(msg.pid)
 
-    def send(self, pid: int, kind: str, **fields) -> None:
+    def send(self, pid: int, msg: Body) -> None:
         link = self.links.get(pid)
         if link is None:
             return
-        data = pack_local(kind, **fields)
+        data = pack_local(msg)
         if link.identity is None:
             link.pending.append(data)
         else:

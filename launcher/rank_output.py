@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from rich.console import Console
 from rich.text import Text
@@ -70,8 +70,8 @@ class RankStreams:
     def __init__(self, rank: int, log_dir: Path | None, modes: tuple[StreamMode, StreamMode],
                  show_rank: bool):
         self.pumps: list[Pump] = []
-        self.popen_kwargs: dict[str, object] = {}
-        self._child_ends: list[object] = []  # the agent's copies, closed once the child has them
+        self.popen_kwargs: dict[str, Any] = {}
+        self._child_ends: list[int | IO[bytes]] = []  # the agent's copies, closed once the child has them
         prefix = rank_prefix(rank)
         for name, console, mode in (("stdout", _OUT, modes[0]), ("stderr", _ERR, modes[1])):
             file = _open_log(log_dir, name) if mode.file and log_dir else None
@@ -80,7 +80,7 @@ class RankStreams:
                 read_end, write_end = os.pipe()
                 os.set_blocking(read_end, False)
                 self.pumps.append(Pump(read_end, prefix, console, file))
-                target: object = write_end
+                target: int | IO[bytes] = write_end
             else:
                 target = file or open(os.devnull, "wb")  # noqa: SIM115 - closed after spawn
             self.popen_kwargs[name] = target
@@ -88,8 +88,9 @@ class RankStreams:
 
     def child_fds(self) -> tuple[int, int]:
         """The (stdout, stderr) descriptors the rank writes to."""
-        return tuple(t if isinstance(t, int) else t.fileno()  # type: ignore[return-value]
-                     for t in (self.popen_kwargs["stdout"], self.popen_kwargs["stderr"]))
+        out, err = (t if isinstance(t, int) else t.fileno()
+                    for t in (self.popen_kwargs["stdout"], self.popen_kwargs["stderr"]))
+        return out, err
 
     def after_spawn(self) -> None:
         """Close the agent's copies of what the child now holds."""

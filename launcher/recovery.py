@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-RESTART_POLICIES = ("rank", "job", "cold")
-"""The ladder, cheapest rung first."""
+
+class Policy(StrEnum):
+    """The rungs of the recovery ladder, cheapest first."""
+
+    RANK = "rank"  # replace only the failed rank; survivors re-enter in place
+    JOB = "job"  # replace every rank, from the warm pool
+    COLD = "cold"  # replace every rank with a fresh interpreter
+
+
+RESTART_POLICIES = tuple(p.value for p in Policy)  # as the CLI spells them
+
+
+class Action(StrEnum):
+    RESTART = "restart"
+    FAIL = "fail"  # the restart budget is spent
+    STALLED = "stalled"  # no progress: do not requeue
 
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # "restart", "fail" (budget spent) or "stalled" (no progress: do not requeue)
-    policy: str
+    action: Action
+    policy: Policy
     restart_count: int
     delay: float
     reason: str
@@ -27,12 +42,12 @@ def backoff_delay(failing: int, base: float, cap: float) -> float:
     """
     if failing <= 1:
         return 0.0
-    return min(cap, base * 2 ** (failing - 2))
+    return float(min(cap, base * 2 ** (failing - 2)))
 
 
-def escalate(first: str, stalled: int) -> str:
+def escalate(first: str, stalled: int) -> Policy:
     """The ladder's rung after ``stalled`` recoveries in a row that made no progress."""
-    ladder = RESTART_POLICIES[RESTART_POLICIES.index(first):]
+    ladder = list(Policy)[list(Policy).index(Policy(first)):]
     return ladder[min(stalled, len(ladder) - 1)]
 
 
@@ -67,9 +82,9 @@ def decide(restart_count: int, max_restarts: int, policy: str, cause: str,
     if max_stalled and progress.stalled >= max_stalled:
         reason = (f"{cause}; no progress: {progress.stalled} recoveries in a row without a "
                   f"step beyond {progress.best_step}")
-        return Decision("stalled", policy, restart_count, 0.0, reason)
+        return Decision(Action.STALLED, Policy(policy), restart_count, 0.0, reason)
     if restart_count >= max_restarts:
         reason = f"{cause}; restart budget spent ({restart_count}/{max_restarts})"
-        return Decision("fail", policy, restart_count, 0.0, reason)
-    return Decision("restart", escalate(policy, progress.stalled), restart_count + 1,
+        return Decision(Action.FAIL, Policy(policy), restart_count, 0.0, reason)
+    return Decision(Action.RESTART, escalate(policy, progress.stalled), restart_count + 1,
                     backoff_delay(progress.failing, backoff, backoff_max), cause)

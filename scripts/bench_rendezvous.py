@@ -29,6 +29,7 @@ import time
 
 import zmq
 
+from ftlaunch_contract.messages import CONTROL, Assign, Join, StoreReady
 from ftlaunch_contract.protocol import Codec
 from launcher.control_plane import ControlPlane
 from launcher.coordinator import Coordinator, JobState, bind_router
@@ -110,7 +111,7 @@ class Swarm:
         self.beat_every, self.next_beat, self.silent, self.last_beat = None, 0.0, set(), {}
 
     def send(self, i, kind, epoch=0, **fields):
-        self.socks[i].send_multipart(self.codecs[i].encode(kind, epoch, **fields))
+        self.socks[i].send_multipart(self.codecs[i].encode(CONTROL[kind](**fields), epoch))
 
     def pump(self, done, limit):
         end = time.monotonic() + limit
@@ -128,8 +129,9 @@ class Swarm:
                 while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     frames = sock.recv_multipart()
                     msg = self.codecs[i].decode(frames)
-                    self.got.setdefault(msg.type, {}).setdefault(i, (time.monotonic(), msg))
-                    self.size[msg.type] = max(self.size.get(msg.type, 0), len(frames[0]))
+                    kind = msg.body.TYPE
+                    self.got.setdefault(kind, {}).setdefault(i, (time.monotonic(), msg))
+                    self.size[kind] = max(self.size.get(kind, 0), len(frames[0]))
 
     def all_got(self, kind, count=None):
         return len(self.got.get(kind, {})) >= (count or self.n)
@@ -148,9 +150,10 @@ def ft_agents(port, n, node_loss, limit):
                standby_port=20000 + i)
     w.pump(lambda: w.all_got("assign"), limit)
     assigns = {i: m for i, (_, m) in w.got["assign"].items()}
-    by_rank = {m["group_rank"]: i for i, m in assigns.items()}
+    by_rank = {m.body.group_rank: i for i, m in assigns.items()}
     ok = sorted(by_rank) == list(range(n)) and all(
-        m["world_size"] == LOCAL_WORLD * n and m["group_world_size"] == n for m in assigns.values())
+        m.body.world_size == LOCAL_WORLD * n and m.body.group_world_size == n
+        for m in assigns.values())
     w.send(by_rank[0], "store_ready", assigns[by_rank[0]].epoch, master_addr="127.0.0.1",
            master_port=29500)
     w.pump(lambda: w.all_got("start"), limit)
@@ -163,7 +166,7 @@ def ft_agents(port, n, node_loss, limit):
         victim, silenced = by_rank[n - 1], time.monotonic()
         w.silent.add(victim)
         w.pump(lambda: w.all_got("recover", n - 1), limit)
-        causes = sorted({m["cause"] for _, m in w.got["recover"].values()})
+        causes = sorted({m.body.cause for _, m in w.got["recover"].values()})
         out.update(loss_after_last_beat_s=max(w.times("recover", w.last_beat[victim])),
                    loss_after_silence_s=max(w.times("recover", silenced)), causes=causes,
                    loss_ok=victim not in w.got["recover"] and all(
@@ -263,24 +266,23 @@ def bench_failover(n=64, node_timeout=1.0, interval=0.2, limit=30.0):
         poller.register(s, zmq.POLLIN)
 
     def join(p):
-        p.send("join", 0, node_id=p.node_id, local_world_size=LOCAL_WORLD, addr="127.0.0.1",
-               rank_hint=-1,
-               standby_port=p.standby_port)
+        p.send(Join(node_id=p.node_id, local_world_size=LOCAL_WORLD, addr="127.0.0.1",
+                    rank_hint=-1, standby_port=p.standby_port), 0)
 
     def run_until(done):  # the agent's loop, as far as the control plane goes
         end = time.monotonic() + limit
         while not done() and time.monotonic() < end:
             for s, _ in poller.poll(10):
                 p, msg = planes[s], planes[s].receive()
-                if msg is not None and msg.type == "assign":
+                if msg is not None and isinstance(msg.body, Assign):
                     assigns[p.node_id] = msg
-                    if msg["group_rank"] == 0:
-                        p.send("store_ready", msg.epoch, master_addr="127.0.0.1", master_port=1)
+                    if msg.body.group_rank == 0:
+                        p.send(StoreReady(master_addr="127.0.0.1", master_port=1), msg.epoch)
             for p in planes.values():
                 p.heartbeat_if_due(time.monotonic())
                 last = assigns.get(p.node_id)
                 if p.coordinator_lost(time.monotonic()) and p.fail_over(
-                        last.epoch, last["restart_count"], last["group_world_size"]):
+                        last.epoch, last.body.restart_count, last.body.group_world_size):
                     join(p)
         return done()
 

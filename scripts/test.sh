@@ -12,4 +12,5 @@ if [ "$(id -u)" = 0 ] && ! { command -v ip && command -v iptables; } >/dev/null 
     || echo "test.sh: could not install iproute2 and iptables; netns tests will skip" >&2
 fi
 ruff check ftlaunch_contract launcher trainer_shim scripts tests
+mypy  # configured in pyproject.toml: strict on the contract and the pure decisions
 "$PY" -m pytest -q "$@"

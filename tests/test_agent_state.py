@@ -18,11 +18,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ftlaunch_contract.protocol import Message
+from ftlaunch_contract.messages import CONTROL, Abort, Body, Resume
+from ftlaunch_contract.protocol import Codec, Envelope, pack_local
 from launcher import exit_codes, failures
 from launcher.agent import Agent
 from launcher.config import LaunchConfig
-from launcher.gpu_health import Finding
+from launcher.gpu_health import Finding, Severity
 from launcher.node_policy import Phase
 from launcher.rank_hub import HubNews
 from launcher.workers import RankExit
@@ -143,10 +144,11 @@ class FakeHub:
         news, self.news = self.news, HubNews([], [])
         return news
 
-    def send(self, pid: int, kind: str, **fields) -> None:
-        if kind == "abort":
+    def send(self, pid: int, msg: Body) -> None:
+        pack_local(msg)  # a well-formed node-local message
+        if isinstance(msg, Abort):
             self.aborted.add(pid)
-        elif kind == "resume":
+        elif isinstance(msg, Resume):
             assert self.links[pid]["parked"] is False  # tracked (resumed) first
 
     def hung(self, now, timeouts) -> list[tuple[int, str]]:
@@ -160,14 +162,16 @@ class FakeHub:
 class FakeControl:
     def __init__(self, machine: AgentMachine) -> None:
         self.machine = machine
-        self.sent: list[tuple[str, dict]] = []
+        self.sent: list[Body] = []
+        self.codec = Codec(b"k" * 32)
         self.lost = False
         self.successor: str | None = "n1"
         self.coordinator_node, self.standby_port, self.next_heartbeat = "n0", 4000, 0.0
 
-    def send(self, kind: str, epoch: int, **fields) -> None:
-        self.machine.on_sent(kind, fields)
-        self.sent.append((kind, fields))
+    def send(self, msg: Body, epoch: int) -> None:
+        self.codec.encode(msg, epoch)  # a well-formed control message
+        self.machine.on_sent(msg.TYPE)
+        self.sent.append(msg)
 
     def heartbeat_if_due(self, now: float) -> None:
         pass
@@ -230,7 +234,7 @@ class AgentMachine(RuleBasedStateMachine):
 
     # --- what the agent sends ------------------------------------------------------------
 
-    def on_sent(self, kind: str, fields: dict) -> None:
+    def on_sent(self, kind: str) -> None:
         unreaped = {r.proc.pid for r in self.workers.alive()}
         parked = {r.proc.pid for r in self.agent.parked.values()}
         if kind == "join":
@@ -242,7 +246,7 @@ class AgentMachine(RuleBasedStateMachine):
     # --- the coordinator -----------------------------------------------------------------
 
     def _order(self, kind: str, **fields) -> None:
-        self.agent.on_control(Message(kind, self.epoch, fields))
+        self.agent.on_control(Envelope(self.epoch, CONTROL[kind](**fields)))
 
     @initialize(running=st.booleans(), restartable=st.booleans())
     def maybe_running(self, running, restartable):
@@ -260,7 +264,7 @@ class AgentMachine(RuleBasedStateMachine):
         self.joins_pending, self.assigned = 0, True
         self._order("assign", group_rank=group_rank, group_world_size=2,
                     rank_offset=group_rank * LOCAL_WORLD_SIZE, world_size=2 * LOCAL_WORLD_SIZE,
-                    restart_count=0, max_restarts=3, members=[], coordinator_node="n0")
+                    restart_count=0, max_restarts=3, members=(), coordinator_node="n0")
 
     @precondition(lambda self: self.assigned)
     @rule()
@@ -273,7 +277,7 @@ class AgentMachine(RuleBasedStateMachine):
         """An order the agent's phase does not expect: ignored, never a crash."""
         if kind == "assign":
             self._order("assign", group_rank=1, group_world_size=2, rank_offset=2,
-                        world_size=4, restart_count=0, max_restarts=3, members=[],
+                        world_size=4, restart_count=0, max_restarts=3, members=(),
                         coordinator_node="n0")
         else:
             self._order("start", master_addr="127.0.0.1", master_port=29500, restart_count=0)
@@ -308,7 +312,7 @@ class AgentMachine(RuleBasedStateMachine):
             self.control.lost, self.control.successor = True, None
             self.agent.on_timers(self.now)
         elif how == "fatal GPU":
-            self.agent.on_gpu_findings([Finding("fatal", 0, "xid", "XID 79")])
+            self.agent.on_gpu_findings([Finding(Severity.FATAL, 0, "xid", "XID 79")])
         else:
             self.agent.on_signal(int(getattr(signal, how)))
 
@@ -381,7 +385,7 @@ class AgentMachine(RuleBasedStateMachine):
 
     @rule(severity=st.sampled_from(["warn", "drain"]))
     def gpu_finding(self, severity):
-        self.agent.on_gpu_findings([Finding(severity, 0, "xid", "XID 63")])
+        self.agent.on_gpu_findings([Finding(Severity(severity), 0, "xid", "XID 63")])
 
     @precondition(lambda self: self.agent.phase == Phase.LEAVING)
     @rule(signum=st.sampled_from([signal.SIGTERM, signal.SIGINT, signal.SIGHUP]))

@@ -51,7 +51,8 @@ def test_import_trainer_shim_without_an_agent_loads_no_zmq_nor_the_launcher():
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("module", ["recovery", "membership", "hang_detection", "commits"])
+@pytest.mark.parametrize("module", ["recovery", "membership", "hang_detection", "commits",
+                                    "node_policy"])
 def test_decision_modules_are_pure(module):
     """The decisions are functions of what they are given: no sockets, processes or torch
     anywhere in what they import, so they are tested without any."""

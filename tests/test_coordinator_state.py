@@ -10,7 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ftlaunch_contract.protocol import Codec, Message
+from ftlaunch_contract.messages import CONTROL, Assign
+from ftlaunch_contract.protocol import Codec, Envelope
 from launcher.coordinator import Coordinator, JobState
 
 SECRET = b"k" * 32
@@ -20,7 +21,7 @@ NODES = [f"n{i}" for i in range(5)]
 class CapturingSocket:
     def __init__(self) -> None:
         self.codec = Codec(SECRET)
-        self.sent: list[tuple[bytes, Message]] = []
+        self.sent: list[tuple[bytes, Envelope]] = []
 
     def send_multipart(self, frames: list[bytes]) -> None:
         self.sent.append((frames[0], self.codec.decode(frames[1:])))
@@ -40,7 +41,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.final = None
 
     def _deliver(self, node: str, kind: str, epoch: int | None = None, **fields) -> None:
-        msg = Message(kind, self.state.epoch if epoch is None else epoch, fields)
+        msg = Envelope(self.state.epoch if epoch is None else epoch, CONTROL[kind](**fields))
         self.coordinator._handle(node.encode(), msg, self.now)
 
     @rule(node=st.sampled_from(NODES), size=st.integers(1, 4))
@@ -89,14 +90,14 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def assignments_of_one_round_agree(self):
-        by_epoch: dict[int, list[Message]] = {}
+        by_epoch: dict[int, list[Assign]] = {}
         for _, msg in self.socket.sent:
-            if msg.type == "assign":
-                by_epoch.setdefault(msg.epoch, []).append(msg)
+            if isinstance(msg.body, Assign):
+                by_epoch.setdefault(msg.epoch, []).append(msg.body)
         for assigns in by_epoch.values():
-            sizes = {m["world_size"] for m in assigns}
+            sizes = {m.world_size for m in assigns}
             assert len(sizes) == 1
-            offsets = sorted(m["rank_offset"] for m in assigns)
+            offsets = sorted(m.rank_offset for m in assigns)
             assert offsets[0] == 0 and len(set(offsets)) == len(offsets)
 
     @invariant()

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ftlaunch_contract.messages import LOCAL
 from ftlaunch_contract.protocol import ProtocolError, pack_local, unpack_local
 from launcher import recovery
 from launcher.hang_detection import (
@@ -128,9 +129,10 @@ def test_local_messages_round_trip():
                          ("beat", {"pid": 7, "step": 3}),
                          ("section", {"pid": 7, "name": "step", "open": False}),
                          ("parked", {"pid": 7, "error": ""}), ("abort", {}),
-                         ("resume", {"env": {"RANK": "1"}})]:
-        msg = unpack_local(pack_local(kind, **fields))
-        assert (msg.type, msg.fields) == (kind, fields)
+                         ("resume", {"env": {"RANK": "1"}}), ("committed", {"step": 4}),
+                         ("durable", {"pid": 7, "rank": 1, "step": 4})]:
+        msg = unpack_local(pack_local(LOCAL[kind](**fields)))
+        assert (msg.TYPE, msg.payload()) == (kind, fields)
 
 
 @pytest.mark.parametrize("body", [

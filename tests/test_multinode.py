@@ -117,6 +117,7 @@ def test_forged_replayed_and_garbage_messages_harm_nothing(tmp_path, launch):
 
     import zmq
 
+    from ftlaunch_contract.messages import Failure, Leave
     from ftlaunch_contract.protocol import Codec
 
     port = _free_port()
@@ -132,10 +133,10 @@ def test_forged_replayed_and_garbage_messages_harm_nothing(tmp_path, launch):
     rogue.connect(f"tcp://127.0.0.1:{port}")
     wrong_key = Codec(b"not-the-job-secret-at-all")
     right_key = Codec(hashlib.sha256(b"s3cret-job-key").digest())
-    stale = right_key.encode("failure", 0, node_id="x", rank=0, local_rank=0, exit_code=1,
-                             signal="", cause="forged stale failure", step=-1)
+    stale = right_key.encode(Failure(node_id="x", rank=0, local_rank=0, exit_code=1, signal="",
+                                     cause="forged stale failure", step=-1), 0)
     for frames in (
-        wrong_key.encode("leave", 1, node_id="x", exit_code=9, reason="forged"),
+        wrong_key.encode(Leave(node_id="x", exit_code=9, reason="forged"), 1),
         [b"\x00garbage", b"\x01" * 32],
         [b"one frame only"],
         [b"x" * (3 << 20), b"\x00" * 32],  # over ZeroMQ's size cap: the connection is cut

@@ -10,12 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ftlaunch_contract.messages import CONTROL, Body, Finished, Stop, Successor
 from ftlaunch_contract.protocol import (
     MAX_BYTES,
     SCHEMA,
     VERSION,
     Codec,
-    Message,
+    Envelope,
     ProtocolError,
     _members,
 )
@@ -29,6 +30,13 @@ SAMPLE = {int: 7, str: "node-a", (int, float): 1.5, (int, type(None)): None,
 
 def valid_fields(kind: str) -> dict:
     return {name: SAMPLE[expected] for name, expected in SCHEMA[kind].items()}
+
+
+def body(kind: str, fields: dict) -> Body:
+    """The typed message of ``kind`` (members as the receiver builds them)."""
+    if "members" in fields and isinstance(fields["members"], list):
+        fields = {**fields, "members": tuple(Successor(*m) for m in fields["members"])}
+    return CONTROL[kind](**fields)
 
 
 def sign(body: bytes, secret: bytes = SECRET) -> list[bytes]:
@@ -56,49 +64,46 @@ def signed(data) -> list[bytes]:
 def test_round_trip_every_type(kind):
     sender, receiver = Codec(SECRET), Codec(SECRET)
     fields = valid_fields(kind)
-    frames = sender.encode(kind, 5, **fields)
+    frames = sender.encode(body(kind, fields), 5)
     assert len(frames) == 2 and all(isinstance(f, bytes) for f in frames)
     msg = receiver.decode(frames)
-    assert isinstance(msg, Message)
-    assert (msg.type, msg.epoch, msg.fields) == (kind, 5, fields)
-    for name, value in fields.items():
-        assert msg[name] == value
+    assert (msg, msg.body.TYPE) == (Envelope(5, body(kind, fields)), kind)
 
 
 @pytest.mark.parametrize("value", [None, 0, -15, 137])
 def test_failure_exit_code_is_optional_int(value):
     fields = {**valid_fields("failure"), "exit_code": value}
-    msg = Codec(SECRET).decode(Codec(SECRET).encode("failure", 0, **fields))
-    assert msg["exit_code"] == value
+    msg = Codec(SECRET).decode(Codec(SECRET).encode(body("failure", fields), 0))
+    assert msg.body.exit_code == value
 
 
 @pytest.mark.parametrize("delay", [0, 2, 0.25])
 def test_recover_delay_accepts_int_and_float(delay):
     fields = {**valid_fields("recover"), "delay": delay}
-    assert Codec(SECRET).decode(Codec(SECRET).encode("recover", 1, **fields))["delay"] == delay
+    assert Codec(SECRET).decode(Codec(SECRET).encode(body("recover", fields), 1)).body.delay == delay
 
 
 def test_hand_built_signed_message_decodes():
     msg = Codec(SECRET).decode(signed(finished()))
-    assert msg == Message("finished", 3, {"node_id": "n0"})
+    assert msg == Envelope(3, Finished(node_id="n0"))
 
 
 def test_envelope_keys_are_not_fields():
-    msg = Codec(SECRET).decode(Codec(SECRET).encode("finished", 2, node_id="x"))
-    assert set(msg.fields) == {"node_id"}
+    msg = Codec(SECRET).decode(Codec(SECRET).encode(Finished(node_id="x"), 2))
+    assert msg.body.payload() == {"node_id": "x"}
 
 
 def test_many_messages_in_order_from_one_sender():
     sender, receiver = Codec(SECRET), Codec(SECRET)
     for i in range(5):
-        assert receiver.decode(sender.encode("finished", i, node_id=str(i))).epoch == i
+        assert receiver.decode(sender.encode(Finished(node_id=str(i)), i)).epoch == i
 
 
 def test_independent_senders_do_not_collide():
     a, b, receiver = Codec(SECRET), Codec(SECRET), Codec(SECRET)
-    receiver.decode(a.encode("finished", 0, node_id="a"))
-    receiver.decode(b.encode("finished", 0, node_id="b"))  # b's seq 1 is not a replay of a's
-    receiver.decode(a.encode("finished", 0, node_id="a"))
+    receiver.decode(a.encode(Finished(node_id="a"), 0))
+    receiver.decode(b.encode(Finished(node_id="b"), 0))  # b's seq 1 is not a replay of a's
+    receiver.decode(a.encode(Finished(node_id="a"), 0))
 
 
 def test_short_secret_refused():
@@ -111,13 +116,13 @@ def test_short_secret_refused():
 
 
 def test_wrong_secret():
-    frames = Codec(OTHER_SECRET).encode("finished", 0, node_id="n")
+    frames = Codec(OTHER_SECRET).encode(Finished(node_id="n"), 0)
     with pytest.raises(ProtocolError, match="signature"):
         Codec(SECRET).decode(frames)
 
 
 def test_tampered_body():
-    body, mac = Codec(SECRET).encode("stop", 0, exit_code=0, reason="done")
+    body, mac = Codec(SECRET).encode(Stop(exit_code=0, reason="done"), 0)
     tampered = body.replace(b"done", b"dona")
     assert tampered != body
     with pytest.raises(ProtocolError, match="signature"):
@@ -125,7 +130,7 @@ def test_tampered_body():
 
 
 def test_tampered_mac():
-    body, mac = Codec(SECRET).encode("stop", 0, exit_code=0, reason="done")
+    body, mac = Codec(SECRET).encode(Stop(exit_code=0, reason="done"), 0)
     for bad in (mac[:-1] + bytes([mac[-1] ^ 1]), mac[:-1], b"", mac + b"\0"):
         with pytest.raises(ProtocolError, match="signature"):
             Codec(SECRET).decode([body, bad])
@@ -133,7 +138,7 @@ def test_tampered_mac():
 
 def test_replayed_frames():
     sender, receiver = Codec(SECRET), Codec(SECRET)
-    frames = sender.encode("finished", 0, node_id="n")
+    frames = sender.encode(Finished(node_id="n"), 0)
     receiver.decode(frames)
     with pytest.raises(ProtocolError, match="replayed"):
         receiver.decode(frames)
@@ -143,8 +148,8 @@ def test_replayed_frames():
 
 def test_out_of_order_older_message_is_a_replay():
     sender, receiver = Codec(SECRET), Codec(SECRET)
-    first = sender.encode("finished", 0, node_id="n")
-    second = sender.encode("finished", 0, node_id="n")
+    first = sender.encode(Finished(node_id="n"), 0)
+    second = sender.encode(Finished(node_id="n"), 0)
     receiver.decode(second)
     with pytest.raises(ProtocolError, match="replayed"):
         receiver.decode(first)
@@ -154,7 +159,7 @@ def test_rejected_message_does_not_advance_sequence():
     receiver = Codec(SECRET)
     with pytest.raises(ProtocolError):
         receiver.decode(signed(finished(seq=5, node_id=1)))  # wrong field type
-    assert receiver.decode(signed(finished(seq=5))).type == "finished"
+    assert isinstance(receiver.decode(signed(finished(seq=5))).body, Finished)
 
 
 @pytest.mark.parametrize("version", [0, 2, None, "1"])
@@ -177,16 +182,19 @@ def test_unknown_type(kind):
 
 
 def test_encode_refuses_unknown_type():
+    class Shutdown(Body):
+        TYPE = "shutdown"
+
     with pytest.raises(ProtocolError, match="unknown message type"):
-        Codec(SECRET).encode("shutdown", 0)
+        Codec(SECRET).encode(Shutdown(), 0)
 
 
 @pytest.mark.parametrize("kind", [k for k in SCHEMA if SCHEMA[k]])
 def test_missing_field(kind):
     fields = valid_fields(kind)
     fields.pop(next(iter(fields)))
-    with pytest.raises(ProtocolError):
-        Codec(SECRET).encode(kind, 0, **fields)
+    with pytest.raises(TypeError):  # a message cannot even be built without it
+        body(kind, fields)
     with pytest.raises(ProtocolError, match="fields"):
         Codec(SECRET).decode(signed({**envelope(type=kind), **fields}))
 
@@ -194,8 +202,8 @@ def test_missing_field(kind):
 @pytest.mark.parametrize("kind", list(SCHEMA))
 def test_extra_field(kind):
     fields = {**valid_fields(kind), "extra": 1}
-    with pytest.raises(ProtocolError):
-        Codec(SECRET).encode(kind, 0, **fields)
+    with pytest.raises(TypeError):
+        body(kind, fields)
     with pytest.raises(ProtocolError, match="fields"):
         Codec(SECRET).decode(signed({**envelope(type=kind), **fields}))
 
@@ -225,7 +233,7 @@ WRONG_TYPES = [
 def test_wrong_field_type(kind, name, value):
     fields = {**valid_fields(kind), name: value}
     with pytest.raises(ProtocolError, match="wrong type"):
-        Codec(SECRET).encode(kind, 0, **fields)
+        Codec(SECRET).encode(CONTROL[kind](**fields), 0)
     with pytest.raises(ProtocolError, match="wrong type"):
         Codec(SECRET).decode(signed({**envelope(type=kind), **fields}))
 
@@ -255,12 +263,12 @@ def test_body_at_limit_accepted():
     pad = MAX_BYTES - base - 5  # str32 header may replace a fixstr header
     frames = signed(finished(node_id="x" * pad))
     assert len(frames[0]) <= MAX_BYTES
-    assert Codec(SECRET).decode(frames).type == "finished"
+    assert isinstance(Codec(SECRET).decode(frames).body, Finished)
 
 
 @pytest.mark.parametrize("count", [0, 1, 3, 4])
 def test_wrong_frame_count(count):
-    body, mac = Codec(SECRET).encode("finished", 0, node_id="n")
+    body, mac = Codec(SECRET).encode(Finished(node_id="n"), 0)
     frames = ([body, mac] + [b""] * 4)[:count]
     with pytest.raises(ProtocolError, match="frames"):
         Codec(SECRET).decode(frames)
@@ -324,9 +332,9 @@ def test_decode_signed_arbitrary_map(env, extra):
         msg = Codec(SECRET).decode(sign(body))
     except ProtocolError:
         return
-    assert isinstance(msg, Message)
-    assert msg.type in SCHEMA
-    assert set(msg.fields) == set(SCHEMA[msg.type])
+    assert isinstance(msg, Envelope)
+    assert msg.body.TYPE in SCHEMA
+    assert set(msg.body.payload()) == set(SCHEMA[msg.body.TYPE])
 
 
 field_values = {
@@ -350,20 +358,20 @@ def messages(draw):
 @given(messages())
 def test_round_trip_property(message):
     kind, epoch, fields = message
-    msg = Codec(SECRET).decode(Codec(SECRET).encode(kind, epoch, **fields))
-    assert msg == Message(kind, epoch, fields)
+    msg = Codec(SECRET).decode(Codec(SECRET).encode(body(kind, fields), epoch))
+    assert msg == Envelope(epoch, body(kind, fields))
 
 
 @PROPERTY_SETTINGS
 @given(messages(), st.data())
 def test_any_single_byte_flip_is_refused(message, data):
     kind, epoch, fields = message
-    body, mac = Codec(SECRET).encode(kind, epoch, **fields)
+    frame_body, mac = Codec(SECRET).encode(body(kind, fields), epoch)
     which = data.draw(st.sampled_from(["body", "mac"]))
-    frame = bytearray(body if which == "body" else mac)
+    frame = bytearray(frame_body if which == "body" else mac)
     i = data.draw(st.integers(0, len(frame) - 1))
     frame[i] ^= data.draw(st.integers(1, 255))
-    frames = [bytes(frame), mac] if which == "body" else [body, bytes(frame)]
+    frames = [bytes(frame), mac] if which == "body" else [frame_body, bytes(frame)]
     with pytest.raises(ProtocolError, match="signature"):
         Codec(SECRET).decode(frames)
 

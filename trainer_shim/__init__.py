@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ftlaunch_contract import environment
+from ftlaunch_contract.messages import Beat, Learned, Parked, Section
 from trainer_shim import shutdown
+from trainer_shim.restart import RestartRequested
 
 __all__ = ["AsyncCheckpointer", "CheckpointError", "DistributedState", "RestartContext", "RestartRequested",
            "heartbeat", "is_managed",
@@ -67,12 +69,6 @@ _last_beat = 0.0  # last heartbeat sent
 _last_call = 0.0  # last heartbeat() call
 _longest_interval = 0.0  # between calls: what --hang-timeout-factor learns from
 
-if _link is not None:
-    from trainer_shim.agent_link import RestartRequested
-else:
-    class RestartRequested(BaseException):  # noqa: N818 - same name as the managed one
-        """Never raised without an agent."""
-
 
 def heartbeat(step: int | None = None) -> None:
     """Tell the agent this rank is alive (and at ``step``, which measures progress)."""
@@ -85,7 +81,7 @@ def heartbeat(step: int | None = None) -> None:
     _last_call = now
     if now - _last_beat >= MIN_BEAT_INTERVAL:
         _last_beat = now
-        _link.send("beat", step=-1 if step is None else int(step))
+        _link.send(Beat(pid=_link.pid, step=-1 if step is None else int(step)))
 
 
 _preempted = False
@@ -129,7 +125,7 @@ def load_state_dict(state: dict[str, float]) -> None:
     global _longest_interval
     _longest_interval = max(_longest_interval, float(state.get("longest_heartbeat_interval", 0)))
     if _link is not None and _longest_interval > 0:
-        _link.send("learned", interval=_longest_interval)
+        _link.send(Learned(pid=_link.pid, interval=_longest_interval))
 
 
 @contextlib.contextmanager
@@ -138,11 +134,11 @@ def section(name: str) -> Iterator[None]:
     if _link is None:
         yield
         return
-    _link.send("section", name=name, open=True)
+    _link.send(Section(pid=_link.pid, name=name, open=True))
     try:
         yield
     finally:
-        _link.send("section", name=name, open=False)
+        _link.send(Section(pid=_link.pid, name=name, open=False))
 
 
 @dataclass(frozen=True)
@@ -198,7 +194,7 @@ def restartable(fn: Callable[..., T]) -> Callable[..., T]:
                 _link.leave_training()
             _release_process_group()
             _last_call = 0.0  # the pause until resume is not a step
-            _link.send("parked", error=error[-4000:])
+            _link.send(Parked(pid=_link.pid, error=error[-4000:]))
             os.environ.update(_link.wait_resume())
 
     return run

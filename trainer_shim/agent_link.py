@@ -20,14 +20,10 @@ import time
 import zmq
 
 from ftlaunch_contract import environment
+from ftlaunch_contract.messages import Abort, Body, Committed, Hello, Restartable, Resume, Tick
 from ftlaunch_contract.protocol import TICK_INTERVAL, pack_local, unpack_local
 from ftlaunch_contract.stack_dump import register_stack_dump
-
-
-class RestartRequested(BaseException):  # noqa: N818 - reads as what happened
-    """Raised in the training thread when the agent recovers the job: leave, then re-enter.
-
-    A BaseException, so a script's ``except Exception`` does not swallow it."""
+from trainer_shim.restart import RestartRequested
 
 
 class AgentLink:
@@ -47,7 +43,7 @@ class AgentLink:
         self.committed_step = int(os.environ.get(environment.RESUME_STEP, -1))
         self._next_tick = 0.0
         self._wake_r, self._wake_w = os.pipe()  # close() wakes the listener through it
-        self._commands.send(pack_local("hello", pid=self.pid, stacks=self.stacks))
+        self._commands.send(pack_local(Hello(pid=self.pid, stacks=self.stacks)))
         self._listener = threading.Thread(target=self._listen, name="ftlaunch-shim", daemon=True)
         self._listener.start()
 
@@ -58,21 +54,21 @@ class AgentLink:
         sock.connect(os.environ[environment.HUB])
         return sock
 
-    def send(self, kind: str, **fields) -> None:
+    def send(self, msg: Body) -> None:
         """Fire and forget, from the training thread."""
         try:  # noqa: SIM105 - the hot path: no context manager object per call
-            self._beats.send(pack_local(kind, pid=self.pid, **fields), zmq.NOBLOCK)
+            self._beats.send(pack_local(msg), zmq.NOBLOCK)
         except zmq.Again:
             pass  # the agent is behind: a heartbeat is worthless late anyway
 
-    def report(self, kind: str, **fields) -> None:
+    def report(self, msg: Body) -> None:
         """Fire and forget, from any thread but the training thread."""
         with self._reports_lock, contextlib.suppress(zmq.Again):
-            self._reports.send(pack_local(kind, pid=self.pid, **fields), zmq.NOBLOCK)
+            self._reports.send(pack_local(msg), zmq.NOBLOCK)
 
     def hello_restartable(self) -> None:
         self.restartable = True
-        self.send("restartable")
+        self.send(Restartable(pid=self.pid))
 
     def enter_training(self) -> None:
         with self._abort_lock:
@@ -108,7 +104,7 @@ class AgentLink:
         poller.register(self._commands, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         while True:
-            ready = dict(poller.poll(TICK_INTERVAL * 1000))
+            ready = dict(poller.poll(int(TICK_INTERVAL * 1000)))
             if self._wake_r in ready:
                 return
             if ready:
@@ -116,11 +112,11 @@ class AgentLink:
                     msg = unpack_local(self._commands.recv())
                 except Exception:
                     continue
-                if msg.type == "resume":
-                    self._resume.put(msg["env"])
-                elif msg.type == "committed":
-                    self.committed_step = max(self.committed_step, msg["step"])
-                elif msg.type == "abort":
+                if isinstance(msg, Resume):
+                    self._resume.put(msg.env)
+                elif isinstance(msg, Committed):
+                    self.committed_step = max(self.committed_step, msg.step)
+                elif isinstance(msg, Abort):
                     with self._abort_lock:
                         if self._in_training:
                             _set_async_exc(self._training_thread, RestartRequested)
@@ -128,7 +124,7 @@ class AgentLink:
             if now >= self._next_tick:
                 self._next_tick = now + TICK_INTERVAL
                 with contextlib.suppress(zmq.Again):
-                    self._commands.send(pack_local("tick", pid=self.pid, sent=now), zmq.NOBLOCK)
+                    self._commands.send(pack_local(Tick(pid=self.pid, sent=now)), zmq.NOBLOCK)
 
 
 def _set_async_exc(thread_id: int | None, exc: type[BaseException] | None) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ftlaunch_contract import environment, shards
+from ftlaunch_contract.messages import ShardDurable
 from ftlaunch_contract.staging import SLOTS, Slot, StagingFull
 from ftlaunch_contract.storage import open_storage
 from trainer_shim import collective, shutdown
@@ -66,7 +67,12 @@ class AsyncCheckpointer:
         self._error: BaseException | None = None
         self.restored_from = "nothing"  # by load_latest: "shared memory" or "storage"
         this = weakref.ref(self)  # a script that never calls close() still gets its saves
-        shutdown.at_exit(lambda: (c := this()) is not None and c.close())
+
+        def close_if_alive() -> None:
+            checkpointer = this()
+            if checkpointer is not None:
+                checkpointer.close()
+        shutdown.at_exit(close_if_alive)
 
     # --- saving --------------------------------------------------------------------------
 
@@ -77,8 +83,9 @@ class AsyncCheckpointer:
         tree = _encode({k: _state_of(v) for k, v in state.items()}, tensors)
         index = self._next_slot
         self._next_slot ^= 1
-        if self._busy[index] is not None:
-            self._busy[index].wait()  # the writer still persists this slot's previous save
+        busy = self._busy[index]
+        if busy is not None:
+            busy.wait()  # the writer still persists this slot's previous save
         slot = self._slots[index]
         slot.invalidate()
         sizes = [t.numel() * t.element_size() for t in tensors]
@@ -94,6 +101,7 @@ class AsyncCheckpointer:
         if step % self.persist_every == 0:
             self._persist_in_background(index, meta)
         if self._slots[index ^ 1].buffer is None and self._busy[index ^ 1] is None:
+            assert slot.buffer is not None  # ensured above
             self._size_in_background(index ^ 1, len(slot.buffer))
 
     def wait(self) -> None:
@@ -211,12 +219,15 @@ class AsyncCheckpointer:
             if step in staged:
                 self._next_slot = staged[step] ^ 1  # keep it until the next save is staged
                 if not self.storage.exists(shards.meta_name(step, self.rank)):
-                    self._persist_in_background(staged[step], self._slots[staged[step]].meta())
+                    meta = self._slots[staged[step]].meta()
+                    assert meta is not None  # staged: sealed with its meta
+                    self._persist_in_background(staged[step], meta)
             return step
 
     def _read(self, step: int, slot: int | None, verify_all: bool) -> dict[str, Any]:
         if slot is not None:  # staged on this node: no storage read, no checksum needed
             meta = self._slots[slot].meta()  # views of staging: _restore copies them out
+            assert meta is not None  # staged: sealed with its meta
             tensors = [_tensor(self._slots[slot].buffer, e) for e in meta["tensors"]]
             log.info("rank %d restored step %d from shared memory", self.rank, step)
             return _decode(meta["tree"], tensors)
@@ -234,7 +245,7 @@ def _report_durable(rank: int, step: int) -> None:
     """Tell the agent (which tells the coordinator, which commits once every rank has)."""
     link = getattr(sys.modules["trainer_shim"], "_link", None)
     if link is not None:
-        link.report("durable", rank=rank, step=step)
+        link.report(ShardDurable(pid=link.pid, rank=rank, step=step))
 
 
 def _stage(slot: Slot, tensors: list[torch.Tensor], sizes: list[int]) -> list[dict[str, Any]]:
@@ -263,6 +274,7 @@ def _pin(slot: Slot) -> None:
     then run at full PCIe/NVLink speed and asynchronously."""
     if slot.before_unmap is not None:
         return
+    assert slot.buffer is not None
     probe = torch.frombuffer(slot.buffer, dtype=torch.uint8, count=1)
     pointer = probe.data_ptr()
     del probe  # no export may outlive the mapping
@@ -351,7 +363,7 @@ class _Shard:
     local: torch.Tensor
 
 
-def _dtensor_type() -> type | None:
+def _dtensor_type() -> Any:
     """DTensor, if anything imported it (otherwise no state can hold one)."""
     return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 

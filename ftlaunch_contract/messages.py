@@ -1,0 +1,251 @@
+"""Every message between agents and their coordinator, and between a rank and its agent: one
+frozen dataclass per type. The field annotations are the schema: ``protocol`` derives from
+them what it checks on the wire (docs/protocol.md lists the same)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, NamedTuple
+
+
+class Successor(NamedTuple):
+    """A node that may take over the coordinator: an assign lists them by group rank."""
+
+    node_id: str
+    addr: str
+    standby_port: int
+
+
+Successors = tuple[Successor, ...]
+Env = dict[str, str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Body:
+    """A message; ``TYPE`` is its name on the wire."""
+
+    TYPE: ClassVar[str]
+
+    def payload(self) -> dict[str, Any]:
+        """The fields as they go on the wire, beside the envelope's."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# --- agent -> coordinator -------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Join(Body):
+    TYPE = "join"
+    node_id: str
+    local_world_size: int
+    addr: str
+    standby_port: int
+    rank_hint: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat(Body):
+    TYPE = "heartbeat"
+    node_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreReady(Body):
+    TYPE = "store_ready"
+    master_addr: str
+    master_port: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure(Body):
+    TYPE = "failure"
+    node_id: str
+    rank: int
+    local_rank: int
+    exit_code: int | None  # None: killed by a signal
+    signal: str
+    cause: str
+    step: int  # the highest step the node's ranks reported (-1: none)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finished(Body):
+    TYPE = "finished"
+    node_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Durable(Body):
+    """A rank's checkpoint shard is durable (relayed by its agent)."""
+
+    TYPE = "durable"
+    node_id: str
+    rank: int
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Leave(Body):
+    """This node ends the job (a signal, or an unhealthy single node)."""
+
+    TYPE = "leave"
+    node_id: str
+    exit_code: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unhealthy(Body):
+    """Exclude this node; the job goes on without it."""
+
+    TYPE = "unhealthy"
+    node_id: str
+    reason: str
+
+
+# --- coordinator -> agent -------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class HeartbeatAck(Body):
+    TYPE = "heartbeat_ack"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assign(Body):
+    TYPE = "assign"
+    group_rank: int
+    group_world_size: int
+    rank_offset: int
+    world_size: int
+    restart_count: int
+    max_restarts: int
+    members: Successors
+    coordinator_node: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Start(Body):
+    TYPE = "start"
+    master_addr: str
+    master_port: int
+    restart_count: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recover(Body):
+    TYPE = "recover"
+    policy: str
+    restart_count: int
+    delay: float
+    cause: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stop(Body):
+    TYPE = "stop"
+    exit_code: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Committed(Body):
+    """Every rank's shard of ``step`` is durable (coordinator -> agents -> their ranks)."""
+
+    TYPE = "committed"
+    step: int
+
+
+# --- rank (trainer_shim) -> its agent, over the node-local socket ---------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Hello(Body):
+    """From the shim's command socket; ``stacks``: it armed faulthandler on the agent's signal."""
+
+    TYPE = "hello"
+    pid: int
+    stacks: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restartable(Body):
+    """The rank runs inside ``trainer_shim.restartable``: it can re-enter in place."""
+
+    TYPE = "restartable"
+    pid: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Beat(Body):
+    TYPE = "beat"
+    pid: int
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tick(Body):
+    """From the shim's own thread: the process runs, whatever training does."""
+
+    TYPE = "tick"
+    pid: int
+    sent: float  # its time.monotonic() (one clock per host)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Learned(Body):
+    """The longest heartbeat interval, restored from a checkpoint."""
+
+    TYPE = "learned"
+    pid: int
+    interval: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Section(Body):
+    TYPE = "section"
+    pid: int
+    name: str
+    open: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parked(Body):
+    """Left the training function (``error``: its own traceback, "" after an abort)."""
+
+    TYPE = "parked"
+    pid: int
+    error: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardDurable(Body):
+    """Its checkpoint writer made its shard of ``step`` durable."""
+
+    TYPE = "durable"
+    pid: int
+    rank: int
+    step: int
+
+
+# --- agent -> its ranks ---------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Abort(Body):
+    """Leave the training function (raises RestartRequested there)."""
+
+    TYPE = "abort"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resume(Body):
+    """Re-enter with this environment (the next attempt's)."""
+
+    TYPE = "resume"
+    env: Env
+
+
+CONTROL: dict[str, type[Body]] = {m.TYPE: m for m in (
+    Join, Heartbeat, StoreReady, Failure, Finished, Durable, Leave, Unhealthy,
+    HeartbeatAck, Assign, Start, Recover, Stop, Committed)}
+LOCAL: dict[str, type[Body]] = {m.TYPE: m for m in (
+    Hello, Restartable, Beat, Tick, Learned, Section, Parked, ShardDurable,
+    Abort, Resume, Committed)}
