@@ -19,23 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ftlaunch_contract.messages import (
-    Abort,
-    Assign,
-    Body,
-    Committed,
-    Durable,
-    Failure,
-    Finished,
-    Join,
-    Leave,
-    Recover,
-    Resume,
-    Start,
-    Stop,
-    StoreReady,
-    Unhealthy,
-)
+from ftlaunch_contract import messages
 from ftlaunch_contract.protocol import Envelope
 from launcher import UsageError, exit_codes, failures, node_policy
 from launcher.config import LaunchConfig
@@ -66,15 +50,15 @@ class Agent:
         self.phase = Phase.JOINING
         self.deadline: float | None = None  # when the phase's wait ends
         self.epoch = 0
-        self.assignment: Assign | None = None
-        self.start_order: Start | None = None  # the one being carried out
+        self.assignment: messages.Assign | None = None
+        self.start_order: messages.Start | None = None  # the one being carried out
         self.store: AgentStore | None = None
         self.spare_store: AgentStore | None = None  # next attempt's, already importing torch
         self.first_failure: failures.RankFailure | None = None
         self.recovery: PhaseClock | None = None  # times a recovery, from failure to ranks back
         self.policy = config.restart_policy  # of the recovery under way
-        self.order: Recover | None = None  # the order under way
-        self.deferred: Recover | None = None  # one that came while ranks were being stopped
+        self.order: messages.Recover | None = None  # the order under way
+        self.deferred: messages.Recover | None = None  # came while ranks were being stopped
         self.keep: tuple[int, ...] = ()  # pids that parked: they resume in place
         self.parked: dict[int, Rank] = {}  # local rank -> process waiting to resume in place
         self.stopping: set[int] = set()  # pids being stopped
@@ -122,9 +106,9 @@ class Agent:
             case GpuFound(findings):
                 self.on_gpu_findings(findings)
             case PoolWarm(seconds):
-                self.events.emit("warm_pool_ready", f"warm pool ready: {self.plan.local_world_size} "
-                                 f"interpreters imported {self.config.preload} in "
-                                 f"{seconds:.2f}s", seconds=seconds)
+                self.events.emit("warm_pool_ready", "warm pool ready: "
+                                 f"{self.plan.local_world_size} interpreters imported "
+                                 f"{self.config.preload} in {seconds:.2f}s", seconds=seconds)
 
     def attach(self, io: NodeIO) -> None:
         """The edges (real, or a test's fakes with the same methods)."""
@@ -147,22 +131,22 @@ class Agent:
             return
         self.epoch = received.epoch
         match received.body:
-            case Assign() as msg:
+            case messages.Assign() as msg:
                 self._on_assign(msg)
-            case Start() as msg:
+            case messages.Start() as msg:
                 self._on_start(msg)
-            case Recover() as msg:
+            case messages.Recover() as msg:
                 self._on_recover(msg)
-            case Committed(step=step):
+            case messages.Committed(step=step):
                 self.committed_step = step
                 self.events.emit("checkpoint_committed", f"checkpoint step {step} committed "
                                  "(every rank's shard durable)", console=False, step=step)
                 for rank in self.workers.alive():
-                    self.hub.send(rank.proc.pid, Committed(step=step))
-            case Stop(exit_code=exit_code, reason=reason):
+                    self.hub.send(rank.proc.pid, messages.Committed(step=step))
+            case messages.Stop(exit_code=exit_code, reason=reason):
                 self._on_stop(exit_code, reason)
 
-    def _on_assign(self, msg: Assign) -> None:
+    def _on_assign(self, msg: messages.Assign) -> None:
         if self.phase != Phase.JOINING:
             log.warning("ignored an assignment in phase %s", self.phase)
             return
@@ -176,10 +160,11 @@ class Agent:
                 raise UsageError(f"cannot serve torch's store on {self.plan.addr}:"
                                  f"{self.config.master_port}: {e.strerror}; pick another "
                                  "--master-port (0 = any free port) or --master-addr") from None
-            self._send(StoreReady(master_addr=self.plan.addr, master_port=self.store.port))
+            self._send(messages.StoreReady(master_addr=self.plan.addr,
+                                           master_port=self.store.port))
         self._enter(Phase.STARTING)
 
-    def _on_start(self, msg: Start) -> None:
+    def _on_start(self, msg: messages.Start) -> None:
         """Start the ranks, once dead ranks' GPU memory is released (bounded: RELEASING)."""
         if self.phase != Phase.STARTING:
             log.info("ignored a start in phase %s", self.phase)
@@ -192,7 +177,7 @@ class Agent:
         else:
             self._start_ranks()
 
-    def _on_recover(self, msg: Recover) -> None:
+    def _on_recover(self, msg: messages.Recover) -> None:
         verdict = node_policy.recover_action(self.phase, self.draining)
         if verdict.action == OrderAction.LEAVE:
             self._leave_unhealthy(self.draining)
@@ -201,7 +186,7 @@ class Agent:
         elif verdict.action == OrderAction.RECOVER:
             self._recover(msg)
 
-    def _recover(self, msg: Recover) -> None:
+    def _recover(self, msg: messages.Recover) -> None:
         """Tell re-enterable survivors to leave their training function (PARKING), then
         stop the others (STOPPING), back off and re-join."""
         self.recovery = self.recovery or PhaseClock()
@@ -218,7 +203,7 @@ class Agent:
         else:
             self._enter(Phase.PARKING, deadline)
         for pid in node_policy.to_abort(self._survivors(), self.policy):
-            self.hub.send(pid, Abort())
+            self.hub.send(pid, messages.Abort())
         self._try_park(now)
 
     def _try_park(self, now: float) -> None:
@@ -267,14 +252,14 @@ class Agent:
             if exit_.failure is not None:
                 self._report_failure(exit_.failure)
             elif not self.workers.alive():
-                self._send(Finished(node_id=self.plan.node_id))
+                self._send(messages.Finished(node_id=self.plan.node_id))
                 self._enter(Phase.FINISHED)
 
     def on_rank_messages(self) -> None:
         now = self.clock()
         news = self.hub.receive(now)
         for shard_rank, step in news.durable:  # the coordinator tells when every rank's is
-            self._send(Durable(node_id=self.plan.node_id, rank=shard_rank, step=step))
+            self._send(messages.Durable(node_id=self.plan.node_id, rank=shard_rank, step=step))
         if self.phase == Phase.PARKING:
             self._try_park(now)
         if self.phase != Phase.RUNNING:
@@ -299,9 +284,10 @@ class Agent:
         self.events.emit("rank_failed", f"rank {failure.rank} {failure.cause}",
                          rank=failure.rank, local_rank=failure.local_rank,
                          exit_code=failure.exit_code, signal=failure.signal)
-        self._send(Failure(node_id=self.plan.node_id, rank=failure.rank,
-                           local_rank=failure.local_rank, exit_code=failure.exit_code,
-                           signal=failure.signal, cause=failure.cause, step=self.hub.best_step))
+        self._send(messages.Failure(
+            node_id=self.plan.node_id, rank=failure.rank, local_rank=failure.local_rank,
+            exit_code=failure.exit_code, signal=failure.signal, cause=failure.cause,
+            step=self.hub.best_step))
         self._enter(Phase.FAILED)
 
     def _check_hangs(self, now: float) -> None:
@@ -330,8 +316,9 @@ class Agent:
             self.shutdown_signal = signum
             self.events.emit("signal", f"got {signal.Signals(signum).name}: forwarded to ranks, "
                              f"SIGKILL in {self.config.grace_period:g}s", signal=signum)
-            self._send(Leave(node_id=self.plan.node_id, exit_code=exit_codes.SIGNAL_BASE + signum,
-                             reason=signal.Signals(signum).name))
+            self._send(messages.Leave(node_id=self.plan.node_id,
+                                      exit_code=exit_codes.SIGNAL_BASE + signum,
+                                      reason=signal.Signals(signum).name))
             self._enter(Phase.LEAVING, self.clock() + self.config.grace_period)
             self.parked.clear()  # no resuming now: they get the signal like every rank
         elif signum in (signal.SIGINT, signal.SIGTERM):
@@ -362,10 +349,11 @@ class Agent:
                          "ranks and leaving the job (exit 3: do not requeue on this node)",
                          reason=reason)
         if self.plan.max_nodes > 1:  # the others recover without us
-            self._send(Unhealthy(node_id=self.plan.node_id, reason=reason))
+            self._send(messages.Unhealthy(node_id=self.plan.node_id, reason=reason))
         else:
-            self._send(Leave(node_id=self.plan.node_id, exit_code=exit_codes.DO_NOT_REQUEUE,
-                             reason=f"unhealthy: {reason}"))
+            self._send(messages.Leave(node_id=self.plan.node_id,
+                                      exit_code=exit_codes.DO_NOT_REQUEUE,
+                                      reason=f"unhealthy: {reason}"))
         print(f"ftlaunch: node unhealthy: {reason}. Drain this node and have its GPUs checked "
               "(nvidia-smi -q, a GPU reset or a reboot); exit 3: do not requeue here.",
               file=sys.stderr, flush=True)
@@ -422,8 +410,8 @@ class Agent:
             self._follow_coordinator()
         elif self.assignment is None and now - self.started_at > self.plan.join_timeout:
             self.events.emit("job_failed", f"no rendezvous within {self.plan.join_timeout:g}s at "
-                             f"{self.plan.endpoint}; check --rdzv-endpoint and that the other nodes "
-                             "are up", exit_code=exit_codes.JOB_FAILED)
+                             f"{self.plan.endpoint}; check --rdzv-endpoint and that the other "
+                             "nodes are up", exit_code=exit_codes.JOB_FAILED)
             self._stop(Phase.DONE, exit_codes.JOB_FAILED)
 
     def _poll_timeout_ms(self) -> int:
@@ -459,7 +447,7 @@ class Agent:
             if kept is not None:
                 env = self.workers.resume(kept, attempt)
                 self.hub.track(kept.proc.pid, now)
-                self.hub.send(kept.proc.pid, Resume(env=env))
+                self.hub.send(kept.proc.pid, messages.Resume(env=env))
                 sources["resumed"].append(kept.rank)
                 continue
             warm = self.pool.take(local_rank) if self.pool and self.policy != "cold" else None
@@ -483,7 +471,8 @@ class Agent:
         else:
             self.events.emit("started", f"started {self.plan.local_world_size} ranks "
                              f"(world size {attempt.world_size}, run {self.plan.run_id}, logs "
-                             f"{self.plan.log_dir})", world_size=attempt.world_size, run_id=self.plan.run_id)
+                             f"{self.plan.log_dir})", world_size=attempt.world_size,
+                             run_id=self.plan.run_id)
 
     def _stop(self, then: Phase, exit_code: int = 0, ranks: list[Rank] | None = None) -> None:
         """SIGTERM ``ranks`` (default: all, parked ones too), SIGKILL them at the deadline;
@@ -534,9 +523,10 @@ class Agent:
         self._send_join()
 
     def _send_join(self) -> None:
-        self._send(Join(node_id=self.plan.node_id, local_world_size=self.plan.local_world_size,
-                        addr=self.plan.addr, standby_port=self.control.standby_port or 0,
-                        rank_hint=self.plan.rank_hint))
+        self._send(messages.Join(node_id=self.plan.node_id,
+                                 local_world_size=self.plan.local_world_size,
+                                 addr=self.plan.addr, standby_port=self.control.standby_port or 0,
+                                 rank_hint=self.plan.rank_hint))
 
     def _done(self, exit_code: int) -> None:
         self.exit_code = exit_code
@@ -573,5 +563,5 @@ class Agent:
                 and self.assignment.group_rank == 0 and self.plan.store_port() == 0):
             self.spare_store = self.io.new_store(self.plan.addr, 0)
 
-    def _send(self, msg: Body) -> None:
+    def _send(self, msg: messages.Body) -> None:
         self.control.send(msg, self.epoch)
