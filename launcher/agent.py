@@ -329,12 +329,13 @@ class Agent:
 
     def on_gpu_findings(self, findings: list[Finding]) -> None:
         for finding in findings:
-            self.events.emit("gpu_health", str(finding), gpu=finding.gpu, finding=finding.kind,
-                             severity=finding.severity, detail=finding.detail)
-            if self.phase in (Phase.LEAVING, Phase.DONE):
-                continue
             verdict = node_policy.gpu_finding_action(finding.severity, str(finding),
                                                      bool(self.draining))
+            self.events.emit("gpu_health", verdict.reason, gpu=finding.gpu, finding=finding.kind,
+                             severity=finding.severity, detail=finding.detail,
+                             action=verdict.action)
+            if self.phase in (Phase.LEAVING, Phase.DONE):
+                continue
             if verdict.action == GpuAction.DRAIN:
                 self.draining = str(finding)
             elif verdict.action == GpuAction.LEAVE:

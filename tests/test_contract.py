@@ -45,7 +45,8 @@ def test_import_trainer_shim_without_an_agent_loads_no_zmq_nor_the_launcher():
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTLAUNCH_")}
     env["PYTHONPATH"] = str(ROOT)
     probe = ("import sys, trainer_shim; print(sorted(m for m in sys.modules "
-             "if m.split('.')[0] in ('zmq', 'launcher', 'torch')))")
+             "if m.split('.')[0] in ('zmq', 'launcher', 'torch', 'msgpack') "
+             "or m == 'ftlaunch_contract.messages'))")
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                          text=True, timeout=60, check=True).stdout
     assert out.strip() == "[]"

@@ -89,7 +89,8 @@ def test_a_warning_is_logged_and_the_job_goes_on(tmp_path, launch):
                  env={"FTLAUNCH_FAKE_NVML": scenario})
     assert run.finish(120) == 0, run.output
     found = [e for e in _events(tmp_path / "logs") if e["event"] == "gpu_health"]
-    assert [(e["severity"], e["finding"]) for e in found] == [("warn", "slowdown")], run.output
+    assert [(e["severity"], e["finding"], e["action"]) for e in found] == [
+        ("warn", "slowdown", "warn")], run.output
 
 
 def test_a_fatal_finding_stops_a_single_node_job_with_exit_3(tmp_path, launch):
@@ -101,7 +102,8 @@ def test_a_fatal_finding_stops_a_single_node_job_with_exit_3(tmp_path, launch):
     assert re.search(r"node unhealthy: GPU 1: 1 new uncorrectable ECC error.*do not requeue",
                      run.output), run.output
     events = _events(tmp_path / "logs")
-    assert [e["severity"] for e in events if e["event"] == "gpu_health"] == ["fatal"]
+    assert [(e["severity"], e["action"]) for e in events if e["event"] == "gpu_health"] == [
+        ("fatal", "leave")]
     assert any(e["event"] == "node_unhealthy" for e in events), run.output
 
 
@@ -146,6 +148,7 @@ def test_a_draining_node_keeps_training_and_leaves_at_the_next_recovery(tmp_path
     events = _events(tmp_path / "logs")
     names = [e["event"] for e in events]
     assert names.index("gpu_health") < names.index("rank_failed") < names.index("node_unhealthy")
+    assert next(e for e in events if e["event"] == "gpu_health")["action"] == "drain"
     assert "recovered" not in names, run.output
     assert "row remap pending" in next(e for e in events if e["event"] == "node_unhealthy")["reason"]
 

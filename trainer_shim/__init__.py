@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ftlaunch_contract import environment
-from ftlaunch_contract.messages import Beat, Learned, Parked, Section
 from trainer_shim import shutdown
 from trainer_shim.restart import RestartRequested
 
@@ -81,7 +80,7 @@ def heartbeat(step: int | None = None) -> None:
     _last_call = now
     if now - _last_beat >= MIN_BEAT_INTERVAL:
         _last_beat = now
-        _link.send(Beat(pid=_link.pid, step=-1 if step is None else int(step)))
+        _link.beat(-1 if step is None else int(step))
 
 
 _preempted = False
@@ -125,7 +124,7 @@ def load_state_dict(state: dict[str, float]) -> None:
     global _longest_interval
     _longest_interval = max(_longest_interval, float(state.get("longest_heartbeat_interval", 0)))
     if _link is not None and _longest_interval > 0:
-        _link.send(Learned(pid=_link.pid, interval=_longest_interval))
+        _link.learned(_longest_interval)
 
 
 @contextlib.contextmanager
@@ -134,11 +133,11 @@ def section(name: str) -> Iterator[None]:
     if _link is None:
         yield
         return
-    _link.send(Section(pid=_link.pid, name=name, open=True))
+    _link.section(name, True)
     try:
         yield
     finally:
-        _link.send(Section(pid=_link.pid, name=name, open=False))
+        _link.section(name, False)
 
 
 @dataclass(frozen=True)
@@ -194,7 +193,7 @@ def restartable(fn: Callable[..., T]) -> Callable[..., T]:
                 _link.leave_training()
             _release_process_group()
             _last_call = 0.0  # the pause until resume is not a step
-            _link.send(Parked(pid=_link.pid, error=error[-4000:]))
+            _link.parked(error[-4000:])
             os.environ.update(_link.wait_resume())
 
     return run

@@ -20,7 +20,19 @@ import time
 import zmq
 
 from ftlaunch_contract import environment
-from ftlaunch_contract.messages import Abort, Body, Committed, Hello, Restartable, Resume, Tick
+from ftlaunch_contract.messages import (
+    Abort,
+    Beat,
+    Body,
+    Committed,
+    Hello,
+    Learned,
+    Parked,
+    Restartable,
+    Resume,
+    Section,
+    Tick,
+)
 from ftlaunch_contract.protocol import TICK_INTERVAL, pack_local, unpack_local
 from ftlaunch_contract.stack_dump import register_stack_dump
 from trainer_shim.restart import RestartRequested
@@ -65,6 +77,18 @@ class AgentLink:
         """Fire and forget, from any thread but the training thread."""
         with self._reports_lock, contextlib.suppress(zmq.Again):
             self._reports.send(pack_local(msg), zmq.NOBLOCK)
+
+    def beat(self, step: int) -> None:
+        self.send(Beat(pid=self.pid, step=step))
+
+    def section(self, name: str, is_open: bool) -> None:
+        self.send(Section(pid=self.pid, name=name, open=is_open))
+
+    def learned(self, interval: float) -> None:
+        self.send(Learned(pid=self.pid, interval=interval))
+
+    def parked(self, error: str) -> None:
+        self.send(Parked(pid=self.pid, error=error))
 
     def hello_restartable(self) -> None:
         self.restartable = True
