@@ -1,0 +1,85 @@
+"""Resharding plans (pure): any saved layout restores any wanted chunk exactly."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftlaunch_contract.reshard import Box, even_chunks, intersect, plan
+
+
+def grid(shape: tuple[int, ...], parts: tuple[int, ...]) -> list[Box]:
+    """The chunks of a tensor sharded ``parts[d]`` ways along each dimension d."""
+    per_dim = [even_chunks(n, p) for n, p in zip(shape, parts, strict=True)]
+    return [Box(tuple(o for o, _ in combo), tuple(s for _, s in combo))
+            for combo in itertools.product(*per_dim)]
+
+
+def cut(whole: np.ndarray, box: Box) -> np.ndarray:
+    return whole[tuple(slice(o, o + n) for o, n in zip(box.offset, box.shape, strict=True))]
+
+
+@st.composite
+def layouts(draw):
+    dims = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(0, 9), min_size=dims, max_size=dims)))
+    before = tuple(draw(st.lists(st.integers(1, 4), min_size=dims, max_size=dims)))
+    after = tuple(draw(st.lists(st.integers(1, 4), min_size=dims, max_size=dims)))
+    return shape, before, after
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_every_wanted_chunk_is_rebuilt_exactly_from_the_saved_ones(layout):
+    shape, before, after = layout
+    whole = np.arange(int(np.prod(shape))).reshape(shape)
+    saved = list(enumerate(grid(shape, before)))
+    chunks = {source: cut(whole, box) for source, box in saved}
+    for wanted in grid(shape, after):
+        rebuilt = np.full(wanted.shape, -1)
+        for piece in plan(saved, wanted):
+            cut(rebuilt, piece.dst)[...] = cut(chunks[piece.source], piece.src)
+        assert (rebuilt == cut(whole, wanted)).all()
+
+
+def test_a_chunk_is_read_only_from_the_saved_chunks_it_overlaps():
+    saved = list(enumerate(grid((8, 4), (4, 1))))  # rows 0-1, 2-3, 4-5, 6-7
+    pieces = plan(saved, Box((3, 0), (2, 4)))  # rows 3-4 on a 2-way re-shard of 3 rows each
+    assert [(p.source, p.src, p.dst) for p in pieces] == [
+        (1, Box((1, 0), (1, 4)), Box((0, 0), (1, 4))),
+        (2, Box((0, 0), (1, 4)), Box((1, 0), (1, 4)))]
+
+
+def test_a_missing_or_doubled_saved_chunk_is_refused():
+    saved = list(enumerate(grid((6,), (3,))))
+    with pytest.raises(ValueError, match="cover 4 of the 6"):
+        plan(saved[:2], Box((0,), (6,)))
+    with pytest.raises(ValueError, match="overlap|cover"):
+        plan([*saved, (9, Box((0,), (2,)))], Box((0,), (6,)))
+
+
+@pytest.mark.parametrize("length, parts, expected", [
+    (10, 4, [(0, 3), (3, 3), (6, 3), (9, 1)]),
+    (3, 4, [(0, 1), (1, 1), (2, 1), (3, 0)]),
+    (0, 2, [(0, 0), (0, 0)]),
+    (8, 2, [(0, 4), (4, 4)]),
+])
+def test_even_chunks_split_like_torch_chunk(length, parts, expected):
+    assert even_chunks(length, parts) == expected
+
+
+def test_even_chunks_match_dtensor_shard_layout():
+    torch = pytest.importorskip("torch")
+    for length, parts in [(10, 4), (3, 4), (7, 3), (16, 5)]:
+        sizes = [c.shape[0] for c in torch.arange(length).chunk(parts)]
+        sizes += [0] * (parts - len(sizes))
+        assert [n for _, n in even_chunks(length, parts)] == sizes
+
+
+def test_intersect():
+    assert intersect(Box((0, 0), (2, 2)), Box((1, 1), (2, 2))) == Box((1, 1), (1, 1))
+    assert intersect(Box((0,), (2,)), Box((2,), (2,))) is None
