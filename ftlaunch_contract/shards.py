@@ -59,6 +59,29 @@ def committed_steps(storage: Storage, world_size: int) -> list[int]:
     return sorted(s for s, have in ranks.items() if have >= set(range(world_size)))
 
 
+def saved_world_sizes(storage: Storage) -> dict[int, int]:
+    """Every committed step, whatever world size saved it -> that world size (read from
+    its rank 0 meta; a step is committed once every rank of that world has its meta)."""
+    ranks: dict[int, set[int]] = {}
+    for name in storage.list():
+        m = _STEP.match(name)
+        if m:
+            ranks.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    worlds = {}
+    for step, have in ranks.items():
+        if 0 not in have:
+            continue
+        try:
+            meta = msgpack.unpackb(storage.read(meta_name(step, 0)), raw=False,
+                                   strict_map_key=False)
+        except (OSError, ValueError):
+            continue
+        world = meta.get("world_size") if isinstance(meta, dict) else None
+        if type(world) is int and world > 0 and have >= set(range(world)):
+            worlds[step] = world
+    return worlds
+
+
 def read(storage: Storage, step: int, rank: int) -> tuple[dict[str, Any], bytearray]:
     """One rank's shard, verified against its meta."""
     try:

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from ftlaunch_contract import environment, shards
+from ftlaunch_contract import environment, reshard, shards
 from ftlaunch_contract.messages import ShardDurable
+from ftlaunch_contract.reshard import Box
 from ftlaunch_contract.staging import SLOTS, Slot, StagingFull
 from ftlaunch_contract.storage import open_storage
 from trainer_shim import collective, shutdown
@@ -195,15 +196,23 @@ class AsyncCheckpointer:
         and each verifies its own shard; without, every rank verifies every shard."""
         staged = self.staged_steps()
         group = _group(self.world_size)
-        candidates = set(self.committed_steps())
+        try:
+            worlds = shards.saved_world_sizes(self.storage)  # any world: others are resharded
+        except OSError as e:
+            raise CheckpointError(f"cannot list checkpoints in {self.uri}: {e}") from None
+        candidates = set(worlds)
         if group or self.world_size == 1:
             candidates |= set(staged)  # only agreement makes a staged-only step safe
         while True:
             step = _agree(candidates) if group else max(candidates, default=None)
             if step is None:
                 return 0
+            saved_world = self.world_size if step in staged else worlds[step]
             try:
-                loaded = self._read(step, staged.get(step), verify_all=not group)
+                if saved_world == self.world_size:
+                    loaded = self._read(step, staged.get(step), verify_all=not group)
+                else:
+                    loaded = self._read_resharded(step, saved_world)
             except CheckpointError as e:
                 log.warning("%s; falling back to the previous step", e)
                 loaded = None
@@ -216,6 +225,8 @@ class AsyncCheckpointer:
                 _restore(target, loaded.pop(name), owned=step not in staged)
             del loaded
             self.restored_from = "shared memory" if step in staged else "storage"
+            if saved_world != self.world_size:
+                self.restored_from = f"storage, resharded from {saved_world} ranks"
             if step in staged:
                 self._next_slot = staged[step] ^ 1  # keep it until the next save is staged
                 if not self.storage.exists(shards.meta_name(step, self.rank)):
@@ -239,6 +250,43 @@ class AsyncCheckpointer:
         except shards.ShardError as e:
             raise CheckpointError(str(e)) from None
         return _decode(meta["tree"], [_tensor(data, e) for e in meta["tensors"]])
+
+
+    def _read_resharded(self, step: int, saved_world: int) -> dict[str, Any]:
+        """A step saved by another world size: every saved rank's shard (verified), its
+        sharded tensors to be cut to this rank's layout on restore."""
+        try:
+            trees = []
+            for r in range(saved_world):
+                meta, data = shards.read(self.storage, step, r)
+                trees.append(_decode(meta["tree"], [_tensor(data, e) for e in meta["tensors"]]))
+        except shards.ShardError as e:
+            raise CheckpointError(str(e)) from None
+        log.info("rank %d restores step %d saved by %d ranks (resharding)", self.rank, step,
+                 saved_world)
+        loaded: dict[str, Any] = _with_chunks(trees, self.rank if self.rank < saved_world else 0)
+        return loaded
+
+
+def _with_chunks(trees: list[Any], own: int) -> Any:
+    """Rank ``own``'s tree (plain state: any rank's would do), each sharded tensor given
+    every rank's part to cut from."""
+    base = trees[own]
+    if isinstance(base, _Shard):
+        if any(not isinstance(t, _Shard) or t.box is None for t in trees):
+            raise CheckpointError("the checkpoint predates resharding (no chunk positions "
+                                  "saved): restore it with the world size that saved it")
+        return _Shard(base.local, base.box, [(t.box, t.local) for t in trees])
+    try:
+        if isinstance(base, dict):
+            return {k: _with_chunks([t[k] for t in trees], own) for k in base}
+        if isinstance(base, (list, tuple)):
+            items = [_with_chunks([t[i] for t in trees], own) for i in range(len(base))]
+            return tuple(items) if isinstance(base, tuple) else items
+    except (KeyError, IndexError, TypeError):
+        raise CheckpointError("the saved ranks' states differ in structure: "
+                              "cannot reshard them") from None
+    return base
 
 
 def _report_durable(rank: int, step: int) -> None:
@@ -331,9 +379,9 @@ _PLAIN = (int, float, bool, str, bytes, type(None))
 
 class DistributedState:
     """A model (and optimizer) as torch.distributed.checkpoint sees them: with FSDP their
-    state is DTensor shards, and each rank saves and restores its own shard (same world
-    size and sharding to restore). Pass it like a module: ``save(step, train=DistributedState(
-    model, optimizer))``."""
+    state is DTensor shards: each rank saves its own, and restores its own or, on another
+    world size, cuts its new shard from the saved ones. Pass it like a module:
+    ``save(step, train=DistributedState(model, optimizer))``."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
         self.model, self.optimizer = model, optimizer
@@ -358,9 +406,40 @@ class DistributedState:
 
 @dataclass
 class _Shard:
-    """This rank's part of a DTensor, until it is matched with the target's layout."""
+    """A rank's part of a DTensor, until it is matched with the target's layout; loaded on
+    another world size or layout, with every saved rank's part (``chunks``) to cut from."""
 
     local: torch.Tensor
+    box: Box | None = None  # where ``local`` sits in the global tensor (saved since #13)
+    chunks: list[tuple[Box, torch.Tensor]] | None = None
+
+
+def _chunk_box(dtensor: Any) -> Box:
+    """Where this rank's local part of a DTensor sits in the global tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        dtensor.shape, dtensor.device_mesh, dtensor.placements)
+    return Box(tuple(offset), tuple(shape))
+
+
+def _region(tensor: torch.Tensor, box: Box) -> torch.Tensor:
+    return tensor[tuple(slice(o, o + n) for o, n in zip(box.offset, box.shape, strict=True))]
+
+
+def _assemble(shard: _Shard, current: Any) -> torch.Tensor:
+    """The target's local part, cut from whichever saved parts overlap it."""
+    assert shard.chunks is not None
+    distinct = list({box: (box, t) for box, t in reversed(shard.chunks)}.values())
+    wanted = _chunk_box(current)  # ^ a replicated mesh dimension saved each chunk twice
+    local = torch.empty(wanted.shape, dtype=shard.local.dtype)
+    try:
+        pieces = reshard.plan([(i, box) for i, (box, _) in enumerate(distinct)], wanted)
+    except ValueError as e:
+        raise CheckpointError(f"cannot reshard a saved tensor: {e}") from None
+    for piece in pieces:
+        _region(local, piece.dst).copy_(_region(distinct[piece.source][1], piece.src))
+    return local
 
 
 def _dtensor_type() -> Any:
@@ -377,7 +456,9 @@ def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
         dtensor = _dtensor_type()
         if dtensor is not None and isinstance(value, dtensor):
             tensors.append(value.to_local())
-            return {"__t__": len(tensors) - 1, "shard": True}
+            box = _chunk_box(value)
+            return {"__t__": len(tensors) - 1, "shard": True,
+                    "box": [list(box.offset), list(box.shape)]}
         tensors.append(value)
         return {"__t__": len(tensors) - 1}
     if isinstance(value, dict):
@@ -394,7 +475,10 @@ def _decode(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, dict):
         if "__t__" in value:
             t = tensors[value["__t__"]]
-            return _Shard(t) if value.get("shard") else t
+            if not value.get("shard"):
+                return t
+            box = value.get("box")
+            return _Shard(t, Box(tuple(box[0]), tuple(box[1])) if box else None)
         if "__d__" in value:
             return {_decode(k, tensors): _decode(v, tensors) for k, v in value["__d__"]}
         items = [_decode(v, tensors) for v in value["__l__"]]
@@ -410,6 +494,11 @@ def _rebuild(value: Any, current: Any, owned: bool) -> Any:
     Shards become DTensors laid out like the target's."""
     if isinstance(value, _Shard):
         dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(current, dtensor) and value.chunks is not None:
+            return dtensor.from_local(_assemble(value, current).to(current.device),
+                                      current.device_mesh, current.placements,
+                                      run_check=False, shape=current.shape,
+                                      stride=current.stride())
         if dtensor is not None and isinstance(current, dtensor):
             local = _rebuild(value.local, current.to_local(), owned)
             if local is current.to_local():
