@@ -82,6 +82,18 @@ def saved_world_sizes(storage: Storage) -> dict[int, int]:
     return worlds
 
 
+def read_meta(storage: Storage, step: int, rank: int) -> dict[str, Any]:
+    """One rank's shard meta (what its bytes are), or ShardError."""
+    try:
+        meta = msgpack.unpackb(storage.read(meta_name(step, rank)), raw=False,
+                               strict_map_key=False)
+    except (OSError, ValueError) as e:
+        raise ShardError(f"step {step}: rank {rank}'s meta unreadable: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ShardError(f"step {step}: rank {rank}'s shard has an unknown format")
+    return meta
+
+
 def read(storage: Storage, step: int, rank: int) -> tuple[dict[str, Any], bytearray]:
     """One rank's shard, verified against its meta."""
     try:

@@ -145,6 +145,7 @@ def atomic_save(obj, path):
 def weights_sha256(model):
     h = hashlib.sha256()
     for t in model.state_dict().values():
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP: gathered, collective
         h.update(bytes(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).tolist()))
     return h.hexdigest()
 
@@ -177,7 +178,12 @@ def parse_args():
     p.add_argument("--out", default=None, help="rank 0 writes a JSON summary here")
     p.add_argument("--shim", action="store_true", help="use trainer_shim (restartable, heartbeat)")
     p.add_argument("--cuda", action="store_true", help="one GPU per rank (LOCAL_RANK), NCCL")
-    return p.parse_args()
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the model with FSDP2 instead of DDP (needs --async-ckpt)")
+    args = p.parse_args()
+    if args.fsdp and args.ckpt_dir and not args.async_ckpt:
+        p.error("--fsdp checkpoints through trainer_shim: add --async-ckpt")
+    return args
 
 
 def train(ctx, args, shim):
@@ -198,16 +204,25 @@ def train(ctx, args, shim):
     torch.manual_seed(args.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if args.cuda else torch.device("cpu")
     model = TinyGPT().to(device)
+    if args.fsdp and distributed:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
     start, source = 0, "nothing"
+    train_state = {"model": model, "optim": opt}
     ckpt_path = os.path.join(args.ckpt_dir, "ckpt.pt") if args.ckpt_dir else None
     checkpointer = None
     if args.async_ckpt and args.ckpt_dir:
-        from trainer_shim.checkpoint import AsyncCheckpointer
+        from trainer_shim.checkpoint import AsyncCheckpointer, DistributedState
 
         checkpointer = AsyncCheckpointer(args.ckpt_dir, persist_every=args.persist_every)
+        if args.fsdp:
+            train_state = {"train": DistributedState(model, opt)}
         extra = {}
-        start = checkpointer.load_latest(model=model, optim=opt, extra=extra)
+        start = checkpointer.load_latest(**train_state, extra=extra)
         source = checkpointer.restored_from
         if start:
             torch.set_rng_state(extra["rng"])
@@ -224,7 +239,7 @@ def train(ctx, args, shim):
             shim.load_state_dict(ckpt["shim"])  # the learned pace, for hang timeouts
     if ckpt_path and rank == 0:
         os.makedirs(args.ckpt_dir, exist_ok=True)
-    ddp = DDP(model) if distributed else model
+    ddp = DDP(model) if distributed and not args.fsdp else model
     log(f"start rank {rank} world {world} pid {os.getpid()} resume_from {start} ({source}) "
         f"agents_committed {ctx.resume_step if ctx else None}")
 
@@ -245,12 +260,12 @@ def train(ctx, args, shim):
         if shim and (step % 10 == 0 or step == start + 1) and shim.preempted():
             log(f"preempted at step {step} rank {rank}")
             if checkpointer:
-                checkpointer.save(step, model=model, optim=opt, extra={
+                checkpointer.save(step, **train_state, extra={
                     "rng": torch.get_rng_state(), "shim": shim.state_dict()})
             stopped_early = True
             break
         if checkpointer and step % args.ckpt_every == 0:
-            checkpointer.save(step, model=model, optim=opt, extra={
+            checkpointer.save(step, **train_state, extra={
                 "rng": torch.get_rng_state(), "shim": shim.state_dict() if shim else {}})
         if ckpt_path and step % args.ckpt_every == 0:
             if rank == 0:
@@ -273,11 +288,12 @@ def train(ctx, args, shim):
     if n > 0 and rank == 0:
         log(f"time per step {1000 * (time.perf_counter() - t0) / n:.2f} ms")
 
+    digest = weights_sha256(model) if args.out and not stopped_early else ""  # every rank
     if args.out and rank == 0 and not stopped_early:
         result = {
             "final_step": max(args.steps, start),
             "loss": loss_val,
-            "weights_sha256": weights_sha256(model),
+            "weights_sha256": digest,
             "resumed_from": start,
             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         }

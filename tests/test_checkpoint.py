@@ -485,3 +485,21 @@ def test_plain_state_resumes_on_another_world_size_from_its_old_rank_or_rank_0(t
         assert got["w"].tolist() == [expected] * 2 and got["step"] == 4
         assert ckpt.restored_from == "storage, resharded from 3 ranks"
         ckpt.close()
+
+
+def test_a_staged_copy_from_an_abandoned_history_is_not_restored(tmp_path):
+    """Step 5 staged here, then the job went back and another world saved a different step 5:
+    storage's step 5 is restored, not this node's stale copy of the same step number."""
+    for name in ("shm_a", "shm_b"):
+        (tmp_path / name).mkdir()
+    first = AsyncCheckpointer(tmp_path / "ck", staging_dir=str(tmp_path / "shm_a"))
+    first.save(5, state={"x": torch.zeros(2)})
+    first.close()
+    other = AsyncCheckpointer(tmp_path / "ck", staging_dir=str(tmp_path / "shm_b"))
+    other.save(5, state={"x": torch.ones(2)})  # the same step, of the history that went on
+    other.close()
+    got = {}
+    again = AsyncCheckpointer(tmp_path / "ck", staging_dir=str(tmp_path / "shm_a"))
+    assert again.load_latest(state=got) == 5
+    assert got["x"].tolist() == [1.0, 1.0] and again.restored_from == "storage"
+    again.close()

@@ -32,6 +32,25 @@ def _wait_listening(port: int, timeout: float = 90) -> None:
     pytest.fail(f"nothing listened on {port} within {timeout}s")
 
 
+def _wait_committed(ckpt_dir, step: int, world: int, timeout: float = 90) -> None:
+    """Block until every rank of a ``world``-rank job made its shard of ``step`` durable in
+    ``ckpt_dir`` (an earlier world may have left metas of the same step number there)."""
+    import msgpack
+
+    def saved_by(meta) -> int:
+        try:
+            return msgpack.unpackb(meta.read_bytes(), strict_map_key=False)["world_size"]
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    metas = [ckpt_dir / f"step_{step:09d}" / f"rank_{r}.meta" for r in range(world)]
+    deadline = time.monotonic() + timeout
+    while not all(saved_by(m) == world for m in metas):
+        if time.monotonic() > deadline:
+            pytest.fail(f"step {step} not committed by {world} ranks within {timeout}s")
+        time.sleep(0.05)  # files written by other processes: no event to wait on
+
+
 def _node(launch, port, nnodes, *script_args, extra=(), env=None):
     return launch("--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job",
@@ -172,3 +191,30 @@ def test_torchrun_static_form_command_line(tmp_path, launch):
     assert second.finish() == 0, second.output
     assert "world size 2" in first.output
     assert "start rank 0 world 2" in second.output  # ...but --node-rank 0 holds rank 0
+
+
+def test_fsdp_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(tmp_path, launch):
+    """FSDP2 over 3 loopback nodes (--nnodes 2:3): one node is lost -> the job goes on with 2,
+    its sharded state cut from the 3 ranks' checkpoint; a node joins -> 3 again, cut from 2."""
+    port = _free_port()
+    args = [*_train_args(tmp_path, steps=120), "--async-ckpt", "--fsdp"]
+    nodes = [_node(launch, port, "2:3", *args, extra=["--no-warm-pool"])]
+    _wait_listening(port)
+    nodes += [_node(launch, port, "2:3", *args, extra=["--no-warm-pool"]) for _ in range(2)]
+    for run in nodes:
+        run.wait_for(r"step 20 ", timeout=120)
+    lost = nodes.pop()
+    lost.proc.kill()  # the whole node: agent SIGKILLed, its rank dies with it
+    lost.finish()
+    shrunk = nodes[0].wait_for(r"world 2 pid \d+ resume_from (\d+) \(storage, resharded from "
+                               r"3 ranks\)", timeout=90)
+    resumed = int(shrunk.group(1))
+    assert resumed >= 10
+    _wait_committed(tmp_path / "ckpt", resumed + 10, world=2)  # before the node joins
+    nodes.append(_node(launch, port, "2:3", *args, extra=["--no-warm-pool"]))
+    nodes[0].wait_for(r"world 3 pid \d+ resume_from \d+ \(storage, resharded from 2 ranks\)",
+                      timeout=90)
+    for run in nodes:
+        assert run.finish() == 0, run.output
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["final_step"] == 120

@@ -96,6 +96,8 @@ class AsyncCheckpointer:
             raise CheckpointError(f"step {step} not saved: {e.strerror}") from None
         entries = _stage(slot, tensors, sizes)
         meta = {"step": step, "rank": self.rank, "world_size": self.world_size,
+                "save_id": os.urandom(8).hex(),  # tells this save from another of the step
+                "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                 "dest": self.uri, "tree": tree, "tensors": entries,
                 "nbytes": entries[-1]["offset"] + entries[-1]["nbytes"] if entries else 0}
         slot.seal(meta)  # from here on the copy survives this process
@@ -186,6 +188,17 @@ class AsyncCheckpointer:
                 held[meta["step"]] = index
         return held
 
+    def _same_save_as_stored(self, step: int, slot: int) -> bool:
+        """Whether a staged copy is the save that storage holds for its step, if storage
+        holds one: a copy staged before the job went back to an older step (a node lost,
+        the world resized) is of another history, even under the same step number."""
+        staged = self._slots[slot].meta()
+        try:
+            stored = shards.read_meta(self.storage, step, self.rank)
+        except shards.ShardError:
+            return True  # not persisted (yet): agreement among the ranks decides
+        return staged is not None and stored.get("save_id") == staged.get("save_id")
+
     def latest_step(self) -> int | None:
         steps = self.committed_steps()
         return steps[-1] if steps else None
@@ -194,12 +207,13 @@ class AsyncCheckpointer:
         """Load the newest step every rank holds into ``state``'s objects; returns the step
         (0 when there is none). With torch.distributed initialized the ranks agree on it
         and each verifies its own shard; without, every rank verifies every shard."""
-        staged = self.staged_steps()
         group = _group(self.world_size)
         try:
             worlds = shards.saved_world_sizes(self.storage)  # any world: others are resharded
         except OSError as e:
             raise CheckpointError(f"cannot list checkpoints in {self.uri}: {e}") from None
+        staged = {step: slot for step, slot in self.staged_steps().items()
+                  if self._same_save_as_stored(step, slot)}
         candidates = set(worlds)
         if group or self.world_size == 1:
             candidates |= set(staged)  # only agreement makes a staged-only step safe
@@ -256,12 +270,15 @@ class AsyncCheckpointer:
         """A step saved by another world size: every saved rank's shard (verified), its
         sharded tensors to be cut to this rank's layout on restore."""
         try:
-            trees = []
+            trees, saves = [], set()
             for r in range(saved_world):
                 meta, data = shards.read(self.storage, step, r)
+                saves.add((meta.get("world_size"), meta.get("attempt")))
                 trees.append(_decode(meta["tree"], [_tensor(data, e) for e in meta["tensors"]]))
         except shards.ShardError as e:
             raise CheckpointError(str(e)) from None
+        if len(saves) > 1:  # e.g. a shard left by a world that went back before committing
+            raise CheckpointError(f"step {step}: its shards come from different saves")
         log.info("rank %d restores step %d saved by %d ranks (resharding)", self.rank, step,
                  saved_world)
         loaded: dict[str, Any] = _with_chunks(trees, self.rank if self.rank < saved_world else 0)
