@@ -12,6 +12,10 @@ STAGING = "FTLAUNCH_STAGING"
 RESUME_STEP = "FTLAUNCH_RESUME_STEP"
 """The newest checkpoint step every rank had made durable when this attempt started."""
 
+ROUND = "FTLAUNCH_ROUND"
+"""The rendezvous round (job epoch) this attempt's ranks were started in: every save is
+stamped with it, so shards of one step number from different histories are told apart."""
+
 STACK_SIGNAL = "FTLAUNCH_STACK_SIGNAL"
 STACKS_FILE = "FTLAUNCH_STACKS_FILE"
 """The signal on which a rank writes all its threads' stacks, and the file it writes them to."""

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ftlaunch_contract import messages
+from ftlaunch_contract import environment, messages
 from ftlaunch_contract.protocol import Envelope
 from launcher import UsageError, exit_codes, failures, node_policy
 from launcher.config import LaunchConfig
@@ -75,7 +75,7 @@ class Agent:
     # --- the main loop: read top to bottom ---------------------------------------------------
 
     def run(self) -> int:
-        self.attach(NodeIO(self.plan, lambda: self.committed_step))
+        self.attach(NodeIO(self.plan, self._attempt_env))
         try:
             self.begin()
             while self.phase != Phase.DONE:
@@ -563,6 +563,13 @@ class Agent:
         if (self.spare_store is None and self.assignment is not None
                 and self.assignment.group_rank == 0 and self.plan.store_port() == 0):
             self.spare_store = self.io.new_store(self.plan.addr, 0)
+
+    def _attempt_env(self) -> dict[str, str]:
+        """This agent's variables for the ranks of the attempt being started."""
+        env = {environment.ROUND: str(self.epoch)}
+        if self.committed_step >= 0:
+            env[environment.RESUME_STEP] = str(self.committed_step)
+        return env
 
     def _send(self, msg: messages.Body) -> None:
         self.control.send(msg, self.epoch)

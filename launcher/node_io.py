@@ -56,13 +56,13 @@ Event = Envelope | RankExit | RanksSpoke | SignalArrived | GpuFound | PoolWarm
 
 
 class NodeIO:
-    def __init__(self, plan: NodePlan, resume_step: Callable[[], int]):
+    def __init__(self, plan: NodePlan, attempt_env: Callable[[], dict[str, str]]):
         config = plan.config
         self.events = EventLog(plan.log_dir / "events.jsonl")
         self.guard = OrphanGuard()
         self.context = zmq.Context()
         self.control = plan.control_plane(self.context)
-        self._resume_step = resume_step
+        self._attempt_env = attempt_env  # the agent's variables of the attempt starting
         self._signal_fd, self._signal_write_fd = os.pipe()
         os.set_blocking(self._signal_fd, False)
         os.set_blocking(self._signal_write_fd, False)
@@ -124,9 +124,7 @@ class NodeIO:
                environment.STACKS_FILE: str(rank_dir / "stacks.txt"),
                environment.STACK_SIGNAL: str(int(stacks.STACK_SIGNAL)),
                environment.STAGING: str(self.staging_dir)}
-        if self._resume_step() >= 0:
-            env[environment.RESUME_STEP] = str(self._resume_step())
-        return env
+        return {**env, **self._attempt_env()}
 
     def _persist_staged(self) -> None:
         """The ranks are gone: make durable what they staged but did not write (a rank

@@ -503,3 +503,35 @@ def test_a_staged_copy_from_an_abandoned_history_is_not_restored(tmp_path):
     assert again.load_latest(state=got) == 5
     assert got["x"].tolist() == [1.0, 1.0] and again.restored_from == "storage"
     again.close()
+
+
+HISTORY = textwrap.dedent("""
+    import json, os, sys, torch, torch.distributed as dist
+    import trainer_shim as ft
+    rank, phase, root, port = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    os.environ["FTLAUNCH_ROUND"] = "7" if phase == "resave" else "3"
+    ckpt = ft.AsyncCheckpointer(os.path.join(root, "ckpt"), rank=rank, world_size=2,
+                                staging_dir=None)
+    if phase == "save":
+        for step in (4, 5):
+            ckpt.save(step, state={"x": torch.full((2,), float(step * 10 + rank))})
+    elif phase == "resave" and rank == 1:  # another history reached step 5 on rank 1 only
+        ckpt.save(5, state={"x": torch.full((2,), -1.0)})
+    elif phase == "load":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=2)
+        got = {}
+        step = ckpt.load_latest(state=got)
+        print(json.dumps({"step": step, "x": got["x"][0].item()}))
+        dist.destroy_process_group()
+    ckpt.close()
+""")
+
+
+def test_a_step_whose_shards_come_from_different_histories_is_not_restored(tmp_path):
+    """Rank 1's shard of step 5 was overwritten by a history that went back and never
+    committed step 5 on rank 0: both ranks restore step 4, never a mix."""
+    _two_ranks("save", tmp_path, HISTORY)
+    _two_ranks("resave", tmp_path, HISTORY)
+    loaded = _two_ranks("load", tmp_path, HISTORY)
+    assert [(ld["step"], ld["x"]) for ld in loaded] == [(4, 40.0), (4, 41.0)]

@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import weakref
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +98,7 @@ class AsyncCheckpointer:
         entries = _stage(slot, tensors, sizes)
         meta = {"step": step, "rank": self.rank, "world_size": self.world_size,
                 "save_id": os.urandom(8).hex(),  # tells this save from another of the step
-                "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                "history": _history(),
                 "dest": self.uri, "tree": tree, "tensors": entries,
                 "nbytes": entries[-1]["offset"] + entries[-1]["nbytes"] if entries else 0}
         slot.seal(meta)  # from here on the copy survives this process
@@ -188,6 +189,14 @@ class AsyncCheckpointer:
                 held[meta["step"]] = index
         return held
 
+    def _history_of(self, step: int, slot: int | None) -> Any:
+        if slot is not None:
+            return (self._slots[slot].meta() or {}).get("history")
+        try:
+            return shards.read_meta(self.storage, step, self.rank).get("history")
+        except shards.ShardError:
+            return None
+
     def _same_save_as_stored(self, step: int, slot: int) -> bool:
         """Whether a staged copy is the save that storage holds for its step, if storage
         holds one: a copy staged before the job went back to an older step (a node lost,
@@ -232,6 +241,12 @@ class AsyncCheckpointer:
                 loaded = None
             if group and not _all(loaded is not None):
                 loaded = None  # some rank could not load it: nobody does
+            if group and loaded is not None and saved_world == self.world_size:
+                mine = zlib.crc32(str(self._history_of(step, staged.get(step))).encode())
+                if all_reduce_int(mine, "min") != all_reduce_int(mine, "max"):
+                    log.warning("step %d: its shards come from different saves (a world "
+                                "went back before committing it); taking an older one", step)
+                    loaded = None
             if loaded is None:
                 candidates = {s for s in candidates if s < step}
                 continue
@@ -273,7 +288,7 @@ class AsyncCheckpointer:
             trees, saves = [], set()
             for r in range(saved_world):
                 meta, data = shards.read(self.storage, step, r)
-                saves.add((meta.get("world_size"), meta.get("attempt")))
+                saves.add((meta.get("world_size"), meta.get("history")))
                 trees.append(_decode(meta["tree"], [_tensor(data, e) for e in meta["tensors"]]))
         except shards.ShardError as e:
             raise CheckpointError(str(e)) from None
@@ -304,6 +319,14 @@ def _with_chunks(trees: list[Any], own: int) -> Any:
         raise CheckpointError("the saved ranks' states differ in structure: "
                               "cannot reshard them") from None
     return base
+
+
+def _history() -> str:
+    """Which history a save belongs to: the rendezvous round its ranks were started in
+    (under an agent), else torchrun's restart count. All ranks of one save share it."""
+    if environment.ROUND in os.environ:
+        return f"round {os.environ[environment.ROUND]}"
+    return f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _report_durable(rank: int, step: int) -> None:
