@@ -16,7 +16,40 @@ class Successor(NamedTuple):
     standby_port: int
 
 
+class Peer(NamedTuple):
+    """A node's checkpoint replica service (``launcher/replica_service.py``)."""
+
+    node_id: str
+    addr: str
+    port: int
+
+
+class Held(NamedTuple):
+    """A whole copy of one rank's shard of one step in some node's shared memory."""
+
+    world_size: int  # of the world that saved it
+    rank: int
+    step: int
+
+
+class Fetch(NamedTuple):
+    """Pull this shard from that peer before the ranks start (they restore from memory)."""
+
+    world_size: int
+    rank: int
+    step: int
+    node_id: str
+    addr: str
+    port: int
+
+
 Successors = tuple[Successor, ...]
+Peers = tuple[Peer, ...]
+HeldShards = tuple[Held, ...]
+Fetches = tuple[Fetch, ...]
+ROWS: dict[Any, type[tuple[Any, ...]]] = {Successors: Successor, Peers: Peer,
+                                          HeldShards: Held, Fetches: Fetch}
+"""Fields that are lists of records: on the wire, lists of lists."""
 Env = dict[str, str]
 
 
@@ -41,6 +74,8 @@ class Join(Body):
     addr: str
     standby_port: int
     rank_hint: int
+    replica_port: int  # 0: keeps no replicas
+    held: HeldShards  # checkpoint shards whole in this node's memory
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +156,8 @@ class Assign(Body):
     max_restarts: int
     members: Successors
     coordinator_node: str
+    replicate_to: Peers  # who keeps copies of this node's staged shards
+    fetch: Fetches  # what to pull from peers' memory before the ranks start
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,6 +263,16 @@ class ShardDurable(Body):
     step: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class ShardStaged(Body):
+    """Its shard of ``step`` is whole in staging: the agent copies it to peers."""
+
+    TYPE = "staged"
+    pid: int
+    rank: int
+    step: int
+
+
 # --- agent -> its ranks ---------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,5 +294,5 @@ CONTROL: dict[str, type[Body]] = {m.TYPE: m for m in (
     Join, Heartbeat, StoreReady, Failure, Finished, Durable, Leave, Unhealthy,
     HeartbeatAck, Assign, Start, Recover, Stop, Committed)}
 LOCAL: dict[str, type[Body]] = {m.TYPE: m for m in (
-    Hello, Restartable, Beat, Tick, Learned, Section, Parked, ShardDurable,
+    Hello, Restartable, Beat, Tick, Learned, Section, Parked, ShardDurable, ShardStaged,
     Abort, Resume, Committed)}

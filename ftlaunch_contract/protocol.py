@@ -19,7 +19,7 @@ from typing import Any, get_type_hints
 import msgpack
 
 from ftlaunch_contract import messages
-from ftlaunch_contract.messages import Body, Successor
+from ftlaunch_contract.messages import Body
 
 VERSION = 1
 TICK_INTERVAL = 0.5
@@ -33,11 +33,15 @@ _FLOAT = (int, float)
 _OPT_INT = (int, type(None))
 
 
-def _members(value: Any) -> bool:
-    """[[node_id, addr, standby_port], ...] in group-rank order."""
-    return isinstance(value, (list, tuple)) and len(value) <= 100_000 and all(
-        isinstance(m, (list, tuple)) and len(m) == 3 and isinstance(m[0], str)
-        and isinstance(m[1], str) and type(m[2]) is int for m in value)
+def _rows(record: type[tuple[Any, ...]]) -> Any:
+    """A list of ``record``s, each a list of its fields' types (an int is never a bool)."""
+    types = list(get_type_hints(record).values())
+
+    def check(value: Any) -> bool:
+        return isinstance(value, (list, tuple)) and len(value) <= 100_000 and all(
+            isinstance(row, (list, tuple)) and len(row) == len(types)
+            and all(type(v) is t for v, t in zip(row, types, strict=True)) for row in value)
+    return check
 
 
 def _bool(value: Any) -> bool:
@@ -49,8 +53,10 @@ def _env(value: Any) -> bool:
         isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
+ROW_CHECKS = {record: _rows(record) for record in messages.ROWS.values()}
 _CHECKS: dict[Any, Any] = {int: _INT, str: _STR, float: _FLOAT, int | None: _OPT_INT,
-                           bool: _bool, messages.Successors: _members, messages.Env: _env}
+                           bool: _bool, messages.Env: _env,
+                           **{rows: ROW_CHECKS[record] for rows, record in messages.ROWS.items()}}
 """What a field's annotation demands of its value on the wire (an int is never a bool)."""
 
 
@@ -87,8 +93,9 @@ def unpack_local(data: bytes) -> Body:
 
 
 def _build(cls: type[Body], fields: dict[str, Any]) -> Body:
-    if "members" in fields:
-        fields["members"] = tuple(Successor(*m) for m in fields["members"])
+    for name, hint in get_type_hints(cls, vars(messages)).items():
+        if hint in messages.ROWS:
+            fields[name] = tuple(messages.ROWS[hint](*row) for row in fields[name])
     return cls(**fields)
 
 

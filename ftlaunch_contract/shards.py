@@ -49,24 +49,26 @@ def persist(storage: Storage, meta: dict[str, Any], data: memoryview) -> None:
                   msgpack.packb({**meta, "format": FORMAT, "sha256": sha256}))
 
 
+def listing(storage: Storage) -> dict[int, set[int]]:
+    """Step -> the ranks whose shard of it is durable (one listing of storage)."""
+    ranks: dict[int, set[int]] = {}
+    for name in storage.list():
+        m = _STEP.match(name)
+        if m:
+            ranks.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    return ranks
+
+
 def committed_steps(storage: Storage, world_size: int) -> list[int]:
     """Steps whose every rank's shard is durable, oldest first."""
-    ranks: dict[int, set[int]] = {}
-    for name in storage.list():
-        m = _STEP.match(name)
-        if m:
-            ranks.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
-    return sorted(s for s, have in ranks.items() if have >= set(range(world_size)))
+    return sorted(s for s, have in listing(storage).items() if have >= set(range(world_size)))
 
 
-def saved_world_sizes(storage: Storage) -> dict[int, int]:
+def saved_world_sizes(storage: Storage, ranks: dict[int, set[int]] | None = None) -> dict[int, int]:
     """Every committed step, whatever world size saved it -> that world size (read from
-    its rank 0 meta; a step is committed once every rank of that world has its meta)."""
-    ranks: dict[int, set[int]] = {}
-    for name in storage.list():
-        m = _STEP.match(name)
-        if m:
-            ranks.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    its rank 0 meta; a step is committed once every rank of that world has its meta).
+    ``ranks``: the storage's ``listing`` if the caller has it."""
+    ranks = listing(storage) if ranks is None else ranks
     worlds = {}
     for step, have in ranks.items():
         if 0 not in have:

@@ -20,12 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from ftlaunch_contract import environment, messages
+from ftlaunch_contract.messages import Held, Peer
 from ftlaunch_contract.protocol import Envelope
-from launcher import UsageError, exit_codes, failures, node_policy
+from launcher import UsageError, exit_codes, failures, node_policy, replica_service
 from launcher.config import LaunchConfig
 from launcher.events import PhaseClock
 from launcher.gpu_health import Finding
-from launcher.node_io import Event, GpuFound, NodeIO, PoolWarm, RanksSpoke, SignalArrived
+from launcher.node_io import (
+    Event,
+    GpuFound,
+    NodeIO,
+    PoolWarm,
+    RanksSpoke,
+    ReplicaNews,
+    SignalArrived,
+)
 from launcher.node_plan import NodePlan
 from launcher.node_policy import GpuAction, OrderAction, Phase
 from launcher.rank_env import Attempt
@@ -33,6 +42,9 @@ from launcher.store import AgentStore
 from launcher.workers import Rank, RankExit
 
 HANG_CHECK_INTERVAL = 0.1
+FETCH_TIMEOUT = 600.0
+"""Seconds the ranks wait at most for their shards to be pulled from peers' memory (each
+transfer gives up by itself once a peer stops answering)."""
 RELEASE_CHECK_INTERVAL = 0.05
 STRICT_ENV = "FTLAUNCH_STRICT"
 """Set (the test suite does): an illegal phase transition raises instead of being logged."""
@@ -70,6 +82,8 @@ class Agent:
         self.committed_step = -1  # the newest checkpoint step every rank made durable
         self.draining = ""  # a GPU finding that wants this node out at the next safe point
         self.dead_pids: set[int] = set()  # whose GPU memory must be free before a restart
+        self.replicate_to: messages.Peers = ()  # peers keeping copies of our staged shards
+        self.fetching = False  # pulling shards from peers for the ranks about to restore
         self.exit_code: int | None = None
 
     # --- the main loop: read top to bottom ---------------------------------------------------
@@ -105,6 +119,8 @@ class Agent:
                 self.on_signal(signum)
             case GpuFound(findings):
                 self.on_gpu_findings(findings)
+            case ReplicaNews(news):
+                self.on_replica_news(news)
             case PoolWarm(seconds):
                 self.events.emit("warm_pool_ready", "warm pool ready: "
                                  f"{self.plan.local_world_size} interpreters imported "
@@ -114,6 +130,7 @@ class Agent:
         """The edges (real, or a test's fakes with the same methods)."""
         self.io, self.control, self.hub, self.workers = io, io.control, io.hub, io.workers
         self.events, self.health, self.pool = io.events, io.health, io.pool
+        self.replicas = io.replicas
 
     def begin(self) -> None:
         self.started_at = self.last_loop = self.clock()
@@ -150,7 +167,11 @@ class Agent:
         if self.phase != Phase.JOINING:
             log.warning("ignored an assignment in phase %s", self.phase)
             return
-        self.assignment = msg
+        self.assignment, self.replicate_to = msg, msg.replicate_to
+        if msg.fetch:  # shards our ranks restore from, held in peers' memory: pull them now
+            self.fetching = True
+            self.replicas.fetch([(Held(f.world_size, f.rank, f.step),
+                                  Peer(f.node_id, f.addr, f.port)) for f in msg.fetch])
         if msg.group_rank == 0:  # the node holding torch's store for this attempt
             try:
                 self.store, self.spare_store = self.spare_store, None
@@ -165,15 +186,17 @@ class Agent:
         self._enter(Phase.STARTING)
 
     def _on_start(self, msg: messages.Start) -> None:
-        """Start the ranks, once dead ranks' GPU memory is released (bounded: RELEASING)."""
+        """Start the ranks, once dead ranks' GPU memory is released and the shards they
+        restore from are pulled from peers (bounded: PREPARING)."""
         if self.phase != Phase.STARTING:
             log.info("ignored a start in phase %s", self.phase)
             return
         if self.recovery is not None:
             self.recovery.mark("rendezvous")
         self.start_order = msg
-        if self._gpu_memory_held():
-            self._enter(Phase.RELEASING, self.clock() + self.config.gpu_release_timeout)
+        if self._gpu_memory_held() or self.fetching:
+            wait = max(self.config.gpu_release_timeout, FETCH_TIMEOUT if self.fetching else 0.0)
+            self._enter(Phase.PREPARING, self.clock() + wait)
         else:
             self._start_ranks()
 
@@ -260,6 +283,10 @@ class Agent:
         news = self.hub.receive(now)
         for shard_rank, step in news.durable:  # the coordinator tells when every rank's is
             self._send(messages.Durable(node_id=self.plan.node_id, rank=shard_rank, step=step))
+        if self.assignment is not None and self.replicate_to:
+            for shard_rank, step in news.staged:  # peers pull a copy into their memory
+                self.replicas.offer(Held(self.assignment.world_size, shard_rank, step),
+                                    self.replicate_to)
         if self.phase == Phase.PARKING:
             self._try_park(now)
         if self.phase != Phase.RUNNING:
@@ -306,6 +333,33 @@ class Agent:
             self.workers.kill_hung(rank, f"hung: {reason}; {captured}")
 
     # --- the node's own events ---------------------------------------------------------
+
+    def on_replica_news(self, news: list[replica_service.News]) -> None:
+        for item in news:
+            match item:
+                case replica_service.Transferred(held=h, source=source, purpose=purpose):
+                    self.events.emit(f"{purpose}_pulled", f"rank {h.rank}'s step {h.step} "
+                                     f"({item.nbytes / 1e6:.1f} MB) copied from node {source}'s "
+                                     f"memory in {item.seconds:.3f}s", console=False,
+                                     rank=h.rank, step=h.step, source=source,
+                                     nbytes=item.nbytes, seconds=item.seconds)
+                case replica_service.NotTransferred(held=h, source=source, purpose=purpose):
+                    self.events.emit(f"{purpose}_not_pulled", f"rank {h.rank}'s step {h.step} "
+                                     f"not copied from node {source}: {item.reason}",
+                                     console=purpose == "restore" or "shm" in item.reason,
+                                     rank=h.rank, step=h.step, source=source,
+                                     reason=item.reason)
+                case replica_service.FetchDone(pulled=pulled, failed=failed, seconds=seconds):
+                    self.fetching = False
+                    self.events.emit("restore_pulled", f"pulled {pulled} checkpoint shard(s) "
+                                     f"from peers' memory in {seconds:.3f}s" +
+                                     (f"; {failed} not (those restore from storage)"
+                                      if failed else ""),
+                                     pulled=pulled, failed=failed, seconds=seconds)
+                    if self.recovery is not None:
+                        self.recovery.mark("pull")
+                    if self.phase == Phase.PREPARING and not self._gpu_memory_held():
+                        self._start_ranks()
 
     def on_signal(self, signum: int) -> None:
         """Forward to the ranks and leave the job; exit once they are gone (SIGKILL after
@@ -381,8 +435,8 @@ class Agent:
         expired = self.deadline is not None and now >= self.deadline
         if self.phase == Phase.PARKING:
             self._try_park(now)
-        elif self.phase == Phase.RELEASING:
-            if not self._gpu_memory_held() or expired:
+        elif self.phase == Phase.PREPARING:
+            if (not self.fetching and not self._gpu_memory_held()) or expired:
                 self._start_ranks()
         elif self.phase == Phase.RUNNING and now >= self.hang_check_at:
             self.hang_check_at = now + HANG_CHECK_INTERVAL
@@ -421,7 +475,7 @@ class Agent:
         deadlines.append(self.control.next_heartbeat)
         if self.phase == Phase.RUNNING:
             deadlines.append(self.hang_check_at)
-        elif self.phase == Phase.RELEASING:
+        elif self.phase == Phase.PREPARING and self.dead_pids:
             deadlines.append(now + RELEASE_CHECK_INTERVAL)
         return max(0, int((min(deadlines) - now) * 1000) + 1)
 
@@ -527,7 +581,8 @@ class Agent:
         self._send(messages.Join(node_id=self.plan.node_id,
                                  local_world_size=self.plan.local_world_size,
                                  addr=self.plan.addr, standby_port=self.control.standby_port or 0,
-                                 rank_hint=self.plan.rank_hint))
+                                 rank_hint=self.plan.rank_hint, replica_port=self.replicas.port,
+                                 held=self.replicas.inventory()))
 
     def _done(self, exit_code: int) -> None:
         self.exit_code = exit_code

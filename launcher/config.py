@@ -94,6 +94,13 @@ class LaunchConfig:
                                   "fills, when they do not all heartbeat through trainer_shim "
                                   "sooner (the pool must not compete with their start-up).",
                                   group=RECOVERY)
+    ckpt_replicas: int = _opt(1, "Peer nodes that keep a copy of each node's staged "
+                              "checkpoint shards in their shared memory: a lost node's ranks "
+                              "then restore from a peer's memory, not storage; 0 = none "
+                              "(fewer when the job has fewer other nodes).", group=RECOVERY)
+    replica_bandwidth: float = _opt(0.0, "MB/s a node spends at most on copying peers' "
+                                    "checkpoint shards (0 = no cap); restores are not capped.",
+                                    group=RECOVERY)
     hang_timeout: float = _opt(300.0, "Seconds without a trainer_shim heartbeat before a rank "
                                "is declared hung; 0 = never.", group=RECOVERY)
     hang_timeout_factor: float = _opt(0.0, "When > 0, learn the hang timeout: this factor times "
@@ -288,7 +295,8 @@ class LaunchConfig:
         if self.module and self.no_python:
             raise UsageError("--module and --no-python cannot be used together; drop one")
         self.section_timeout_map()
-        for name in ("max_restarts", "node_rank", "master_port", "max_stalled_recoveries"):
+        for name in ("max_restarts", "node_rank", "master_port", "max_stalled_recoveries",
+                     "ckpt_replicas", "replica_bandwidth"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
         if self.master_port > 65535:

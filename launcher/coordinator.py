@@ -21,11 +21,16 @@ from ftlaunch_contract.messages import (
     Committed,
     Durable,
     Failure,
+    Fetch,
+    Fetches,
     Finished,
     Heartbeat,
     HeartbeatAck,
+    HeldShards,
     Join,
     Leave,
+    Peer,
+    Peers,
     Recover,
     Start,
     Stop,
@@ -34,7 +39,7 @@ from ftlaunch_contract.messages import (
     Unhealthy,
 )
 from ftlaunch_contract.protocol import Codec, Envelope, ProtocolError
-from launcher import exit_codes, membership, recovery
+from launcher import exit_codes, membership, recovery, replica_plan
 from launcher.commits import CommitLog
 
 log = logging.getLogger("ftlaunch.coordinator")
@@ -91,6 +96,9 @@ class JobState:
     first_finished_at: float | None = None
     final: tuple[int, str] | None = None  # (exit code, reason) once done
     commits: CommitLog = field(default_factory=lambda: CommitLog(0))  # of the current world
+    replicas: int = 0  # peers keeping a copy of each node's staged checkpoints
+    replica_ports: dict[str, int] = field(default_factory=dict)
+    held: dict[str, HeldShards] = field(default_factory=dict)  # shards in memory, as joined
 
 
 def bind_router(context: zmq.Context, addr: str, port: int) -> tuple[zmq.Socket, int]:
@@ -229,6 +237,7 @@ class Coordinator:
         node = msg.node_id
         s.members[node] = membership.Member(node, msg.local_world_size, msg.addr, msg.rank_hint)
         s.standby_ports[node] = msg.standby_port
+        s.replica_ports[node], s.held[node] = msg.replica_port, msg.held
         s.identities[node] = identity
         s.last_seen[node] = now
         if s.phase == RoundPhase.JOINING and (node in s.round_joined
@@ -244,6 +253,9 @@ class Coordinator:
                                   "nodes", s.restart_count, delay=0.0, now=now)
             s.expected.add(node)
             s.round_joined.add(node)
+        elif node not in s.group_ranks and s.phase != RoundPhase.JOINING:
+            log.warning("node %s waits as a spare: the job runs on its maximum of %d nodes",
+                        node, s.max_nodes)
         # else: a duplicate join from a member (a restarted agent has a new node id), or a
         # node beyond MAX that waits for the next round: nothing to do now.
 
@@ -285,6 +297,8 @@ class Coordinator:
         s.expected_count = 0
         s.finished.clear()
         s.first_finished_at = None
+        spares = sorted(n for n in s.members if n not in s.group_ranks and n not in s.round_joined)
+        s.round_joined.update(spares[:max(0, s.max_nodes - len(s.round_joined))])  # in for the lost
         assignments = membership.assign_ranks([s.members[n] for n in s.round_joined],
                                               s.group_ranks)
         s.group_ranks = {a.node_id: a.group_rank for a in assignments}
@@ -293,12 +307,36 @@ class Coordinator:
         members = tuple(Successor(a.node_id, s.members[a.node_id].addr,
                                   s.standby_ports[a.node_id]) for a in assignments[:SUCCESSORS])
         s.phase = RoundPhase.WAITING_STORE
+        replicas = self._replicas(assignments)
         for a in assignments:
+            replicate_to, fetch = replicas[a.node_id]
             self._send(s.identities[a.node_id], Assign(
                 group_rank=a.group_rank, group_world_size=a.group_world_size,
                 rank_offset=a.rank_offset, world_size=a.world_size,
                 restart_count=s.restart_count, max_restarts=s.max_restarts, members=members,
-                coordinator_node=s.host_node))
+                coordinator_node=s.host_node, replicate_to=replicate_to, fetch=fetch))
+
+    def _replicas(self, assignments: list[membership.Assignment]) -> dict[str, tuple[Peers, Fetches]]:
+        """Per node: who keeps copies of its staged shards, and what it pulls from whom
+        before its ranks restore (from the shards the nodes said they hold when joining)."""
+        s = self._state
+        ring = [(a.node_id, s.members[a.node_id].addr) for a in assignments]  # domain: host
+        seats = [replica_plan.Seat(a.node_id, a.rank_offset, s.members[a.node_id].local_world_size,
+                                   a.world_size) for a in assignments]
+        plan = replica_plan.fetch_plan({n: s.held.get(n, ()) for n in s.round_joined}, seats)
+
+        def peer(node: str) -> Peer:
+            return Peer(node, s.members[node].addr, s.replica_ports.get(node, 0))
+        out = {}
+        for a in assignments:
+            holders = [peer(n) for n in replica_plan.holders(ring, a.node_id, s.replicas)]
+            fetch = tuple(Fetch(h.world_size, h.rank, h.step, *peer(src))
+                          for h, src in plan.get(a.node_id, []))
+            out[a.node_id] = (tuple(p for p in holders if p.port), fetch)
+        if plan:
+            log.info("restoring from peers' memory: %s", {n: [(h.rank, h.step, src) for h, src in pulls]
+                                                        for n, pulls in plan.items()})
+        return out
 
     def _broadcast_round(self, msg: Body) -> None:
         """To the nodes of the current round we can reach (a successor knows none at first)."""
@@ -347,7 +385,8 @@ class Coordinator:
         else:
             log.warning("node %s lost: no heartbeat for %.1fs", node, now - s.last_seen[node])
             cause = f"node {node} lost (no heartbeat for {s.node_timeout:g}s)"
-        for table in (s.members, s.standby_ports, s.identities, s.last_seen):
+        for table in (s.members, s.standby_ports, s.identities, s.last_seen, s.held,
+                      s.replica_ports):
             table.pop(node, None)
         s.round_joined.discard(node)
         if node in s.group_ranks:

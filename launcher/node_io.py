@@ -19,7 +19,7 @@ import zmq
 
 from ftlaunch_contract import environment, staging
 from ftlaunch_contract.protocol import Envelope
-from launcher import stacks
+from launcher import replica_service, stacks
 from launcher.events import EventLog
 from launcher.gpu_health import Finding
 from launcher.health_monitor import HealthMonitor
@@ -52,7 +52,12 @@ class PoolWarm:
     seconds: float  # how long the pool's processes took to import
 
 
-Event = Envelope | RankExit | RanksSpoke | SignalArrived | GpuFound | PoolWarm
+@dataclass(frozen=True)
+class ReplicaNews:
+    news: list[replica_service.News]  # transfers of checkpoint shards that ended
+
+
+Event = Envelope | RankExit | RanksSpoke | SignalArrived | GpuFound | PoolWarm | ReplicaNews
 
 
 class NodeIO:
@@ -73,6 +78,9 @@ class NodeIO:
         self.events.emit("gpu_health_monitor", why, active=self.health is not None)
         self.hub = RankHub(self.context)
         self.staging_dir = staging.create_dir()  # checkpoint staging that outlives ranks
+        self.replicas = replica_service.ReplicaService(
+            self.context, plan.secret, plan.node_id, plan.addr, self.staging_dir,
+            bandwidth=config.replica_bandwidth * 1e6)
         self.workers = WorkerGroup(plan.program, plan.output, self.guard, self._rank_env)
         self.pool = None if config.no_warm_pool or config.no_python else WarmPool(
             config.preload_modules(), lambda _slot: pre_import_env(plan.local_world_size),
@@ -80,7 +88,7 @@ class NodeIO:
         self.new_store = AgentStore
         self.capture_stacks = stacks.capture
         self._poller = zmq.Poller()
-        for fd in (self.control.socket, self.hub.socket, self._signal_fd,
+        for fd in (self.control.socket, self.hub.socket, self._signal_fd, self.replicas.fd,
                    *([self.health.fd] if self.health is not None else [])):
             self._poller.register(fd, zmq.POLLIN)
         self._polled: set[int] = set()
@@ -94,6 +102,8 @@ class NodeIO:
                     yield msg
             elif fd is self.hub.socket:
                 yield RanksSpoke()
+            elif fd == self.replicas.fd:
+                yield ReplicaNews(self.replicas.news())
             elif fd == self._signal_fd:
                 for signum in os.read(self._signal_fd, 64):
                     yield SignalArrived(signum)
@@ -139,6 +149,7 @@ class NodeIO:
 
     def close(self) -> None:
         """Once the ranks are gone: persist staged checkpoints, release everything."""
+        self.replicas.close()
         self._persist_staged()
         if self.health is not None:
             self.health.close()

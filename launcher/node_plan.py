@@ -75,7 +75,8 @@ class NodePlan:
                         exit_barrier_timeout=c.exit_barrier_timeout,
                         node_timeout=c.node_timeout, last_call=self.last_call_timeout,
                         join_timeout=self.join_timeout, host_node=self.node_id,
-                        max_stalled=c.max_stalled_recoveries, healthy_after=c.healthy_interval)
+                        max_stalled=c.max_stalled_recoveries, healthy_after=c.healthy_interval,
+                        replicas=c.ckpt_replicas)
 
     def control_plane(self, context: zmq.Context) -> ControlPlane:
         return ControlPlane(context, self.secret, self.node_id, self.addr, self.endpoint,

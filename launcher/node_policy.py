@@ -19,7 +19,7 @@ log = logging.getLogger("ftlaunch.agent")
 class Phase(StrEnum):
     JOINING = "joining"  # a join is out: waiting for this round's assignment
     STARTING = "starting"  # assigned (the store served if it is ours): waiting for "start"
-    RELEASING = "releasing"  # "start" came; dead ranks still hold GPU memory (bounded)
+    PREPARING = "preparing"  # "start" came; GPU memory held by dead ranks, shards being pulled
     RUNNING = "running"  # the ranks train; hangs are watched
     FAILED = "failed"  # a local rank failed and was reported: waiting for the order
     FINISHED = "finished"  # every local rank exited 0: waiting for the job's end
@@ -34,8 +34,8 @@ _P = Phase
 _ABORT = {_P.STOPPING, _P.LEAVING}  # a stop order, an unhealthy GPU, a lost coordinator; a signal
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     _P.JOINING: frozenset({_P.STARTING, _P.PARKING, *_ABORT}),
-    _P.STARTING: frozenset({_P.RELEASING, _P.RUNNING, _P.PARKING, *_ABORT}),
-    _P.RELEASING: frozenset({_P.RUNNING, _P.PARKING, *_ABORT}),
+    _P.STARTING: frozenset({_P.PREPARING, _P.RUNNING, _P.PARKING, *_ABORT}),
+    _P.PREPARING: frozenset({_P.RUNNING, _P.PARKING, *_ABORT}),
     _P.RUNNING: frozenset({_P.FAILED, _P.FINISHED, _P.PARKING, *_ABORT}),
     _P.FAILED: frozenset({_P.PARKING, *_ABORT}),
     _P.FINISHED: frozenset({_P.PARKING, *_ABORT}),

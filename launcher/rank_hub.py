@@ -25,6 +25,7 @@ from ftlaunch_contract.messages import (
     Restartable,
     Section,
     ShardDurable,
+    ShardStaged,
     Tick,
 )
 from ftlaunch_contract.protocol import ProtocolError, pack_local, unpack_local
@@ -51,6 +52,7 @@ class HubNews:
 
     parked: list[int]  # pids that just left their training function
     durable: list[tuple[int, int]]  # (rank, step): checkpoint shards to relay
+    staged: list[tuple[int, int]] = field(default_factory=list)  # (rank, step): to replicate
 
 
 class RankHub:
@@ -136,6 +138,8 @@ class RankHub:
                     link.activity.section(now, msg.name, msg.open)
                 case ShardDurable():
                     news.durable.append((msg.rank, msg.step))
+                case ShardStaged():
+                    news.staged.append((msg.rank, msg.step))
                 case Parked():
                     link.parked, link.error = True, msg.error
                     news.parked.append(msg.pid)

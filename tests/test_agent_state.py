@@ -18,14 +18,15 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ftlaunch_contract.messages import CONTROL, Abort, Body, Resume
+from ftlaunch_contract.messages import CONTROL, Abort, Body, Fetch, Held, Peer, Resume
 from ftlaunch_contract.protocol import Codec, Envelope, pack_local
 from launcher import exit_codes, failures
-from launcher.agent import Agent
+from launcher.agent import FETCH_TIMEOUT, Agent
 from launcher.config import LaunchConfig
 from launcher.gpu_health import Finding, Severity
 from launcher.node_policy import Phase
 from launcher.rank_hub import HubNews
+from launcher.replica_service import FetchDone
 from launcher.workers import RankExit
 
 LOCAL_WORLD_SIZE = 2
@@ -54,8 +55,10 @@ class FakeWorkers:
         self.hub = hub
         self.ranks: dict[int, FakeRank] = {}
         self.next_pid = 1000
+        self.may_spawn = lambda: True
 
     def spawn(self, attempt, local_rank, warm) -> FakeRank:
+        assert self.may_spawn(), "a rank started while its shards were still being pulled"
         previous = [r for r in self.ranks.values() if r.local_rank == local_rank]
         assert all(r.returncode is not None for r in previous), \
             f"local rank {local_rank} started again before its last process was reaped"
@@ -198,6 +201,26 @@ class FakeHealth:
         return set(self.holding)
 
 
+class FakeReplicas:
+    """The replica service: what it was asked to copy and to pull."""
+
+    port = 4100
+
+    def __init__(self) -> None:
+        self.offered: list[Held] = []
+        self.pulls = 0
+
+    def inventory(self) -> tuple[Held, ...]:
+        return ()
+
+    def offer(self, held: Held, to) -> None:
+        assert to, "offered a shard to nobody"
+        self.offered.append(held)
+
+    def fetch(self, wanted) -> None:
+        self.pulls += 1
+
+
 class FakeEvents:
     def __init__(self) -> None:
         self.kinds: list[str] = []
@@ -222,10 +245,14 @@ class AgentMachine(RuleBasedStateMachine):
         self.control = FakeControl(self)
         self.health = FakeHealth()
         self.events = FakeEvents()
+        self.replicas = FakeReplicas()
+        self.workers.may_spawn = lambda: not self.agent.fetching or self.now >= self.pull_deadline
+        self.pull_deadline = float("inf")
         store = SimpleNamespace(port=29500, close=lambda: None)
         self.agent.attach(SimpleNamespace(
             control=self.control, hub=self.hub, workers=self.workers, events=self.events,
             health=self.health, pool=None, new_store=lambda addr, port: store,
+            replicas=self.replicas,
             capture_stacks=lambda pid, path, method, armed: "not captured"))
         self.epoch = 0
         self.joins_pending = 0  # joins sent since the last assignment
@@ -258,13 +285,18 @@ class AgentMachine(RuleBasedStateMachine):
             self.start()
 
     @precondition(lambda self: self.joins_pending > 0)
-    @rule(group_rank=st.sampled_from([0, 1]))
-    def assign(self, group_rank):
+    @rule(group_rank=st.sampled_from([0, 1]), pull=st.booleans())
+    def assign(self, group_rank, pull=False):
+        """``pull``: the node's ranks restore from shards it must pull from a peer first."""
         self.epoch += 1
         self.joins_pending, self.assigned = 0, True
+        fetch = (Fetch(4, 1, 40, "n2", "127.0.0.1", 4100),) if pull else ()
+        if pull:
+            self.pull_deadline = self.now + FETCH_TIMEOUT
         self._order("assign", group_rank=group_rank, group_world_size=2,
                     rank_offset=group_rank * LOCAL_WORLD_SIZE, world_size=2 * LOCAL_WORLD_SIZE,
-                    restart_count=0, max_restarts=3, members=(), coordinator_node="n0")
+                    restart_count=0, max_restarts=3, members=(), coordinator_node="n0",
+                    replicate_to=(Peer("n1", "127.0.0.1", 4100),), fetch=fetch)
 
     @precondition(lambda self: self.assigned)
     @rule()
@@ -278,7 +310,7 @@ class AgentMachine(RuleBasedStateMachine):
         if kind == "assign":
             self._order("assign", group_rank=1, group_world_size=2, rank_offset=2,
                         world_size=4, restart_count=0, max_restarts=3, members=(),
-                        coordinator_node="n0")
+                        coordinator_node="n0", replicate_to=(), fetch=())
         else:
             self._order("start", master_addr="127.0.0.1", master_port=29500, restart_count=0)
 
@@ -392,10 +424,23 @@ class AgentMachine(RuleBasedStateMachine):
     def another_signal(self, signum):
         self.agent.on_signal(int(signum))
 
-    @precondition(lambda self: self.agent.phase == Phase.RELEASING)
+    @precondition(lambda self: self.agent.phase == Phase.PREPARING)
     @rule()
     def gpu_memory_released(self):
         self.health.holding.clear()
+
+    @precondition(lambda self: self.agent.fetching)
+    @rule(failed=st.integers(0, 1))
+    def shards_pulled(self, failed):
+        self.agent.on_replica_news([FetchDone(1 - failed, failed, 0.2)])
+
+    @rule(step=st.integers(0, 5))
+    def a_rank_staged(self, step):
+        """Its shard is copied to the peer the assignment names, if any."""
+        alive = self.workers.alive()
+        if alive:
+            self.hub.news.staged.append((alive[0].rank, step))
+            self.agent.on_rank_messages()
 
     @rule(seconds=st.sampled_from([0.05, 0.5, 1.0, 3.0]))
     def time_passes(self, seconds):
@@ -416,7 +461,7 @@ class AgentMachine(RuleBasedStateMachine):
             assert rank.returncode is None and self.hub.parked(rank.proc.pid)
         if self.agent.parked:
             assert self.agent.phase in (Phase.STOPPING, Phase.BACKING_OFF, Phase.JOINING,
-                                        Phase.STARTING, Phase.RELEASING, Phase.PARKING)
+                                        Phase.STARTING, Phase.PREPARING, Phase.PARKING)
             assert self.agent.policy == "rank", "kept a process under a job or cold restart"
 
     @invariant()

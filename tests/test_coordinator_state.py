@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ftlaunch_contract.messages import CONTROL, Assign
+from ftlaunch_contract.messages import CONTROL, Assign, Held
 from ftlaunch_contract.protocol import Codec, Envelope
 from launcher.coordinator import Coordinator, JobState
 
@@ -35,19 +35,25 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.state = JobState(min_nodes=1, max_nodes=3, max_restarts=2, policy="cold",
                               backoff=1.0, backoff_max=4.0, exit_barrier_timeout=30.0,
                               node_timeout=5.0, last_call=1.0, join_timeout=60.0,
-                              host_node="n0", joining_since=self.now)
+                              host_node="n0", joining_since=self.now, replicas=1)
         self.coordinator = Coordinator(self.socket, SECRET, self.state)
         self.last_epoch = 0
         self.final = None
+        self.held: dict[str, set[Held]] = {}
+        self.checked = 0  # messages whose fetch lists were checked
 
     def _deliver(self, node: str, kind: str, epoch: int | None = None, **fields) -> None:
         msg = Envelope(self.state.epoch if epoch is None else epoch, CONTROL[kind](**fields))
         self.coordinator._handle(node.encode(), msg, self.now)
 
-    @rule(node=st.sampled_from(NODES), size=st.integers(1, 4))
-    def join(self, node, size):
-        self._deliver(node, "join", node_id=node, local_world_size=size, addr="10.0.0.1",
-                      standby_port=4000, rank_hint=-1)
+    @rule(node=st.sampled_from(NODES), size=st.integers(1, 4),
+          held=st.lists(st.builds(Held, st.integers(1, 4), st.integers(0, 3), st.integers(1, 3)),
+                        max_size=6))
+    def join(self, node, size, held=()):
+        """``held``: the checkpoint shards the node says it has in memory."""
+        self._deliver(node, "join", node_id=node, local_world_size=size, addr=f"10.0.0.{node[1]}",
+                      standby_port=4000, rank_hint=-1, replica_port=4100, held=tuple(held))
+        self.held[node] = set(held)
 
     @rule(node=st.sampled_from(NODES))
     def heartbeat(self, node):
@@ -91,9 +97,16 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @invariant()
     def assignments_of_one_round_agree(self):
         by_epoch: dict[int, list[Assign]] = {}
-        for _, msg in self.socket.sent:
+        for i, (to, msg) in enumerate(self.socket.sent):
             if isinstance(msg.body, Assign):
                 by_epoch.setdefault(msg.epoch, []).append(msg.body)
+            if isinstance(msg.body, Assign) and i >= self.checked:  # sent by the last rule
+                node = to.decode()
+                assert all(p.node_id != node for p in msg.body.replicate_to)
+                for f in msg.body.fetch:  # from a peer that said it holds it, never itself
+                    assert f.node_id != node and Held(*f[:3]) in self.held[f.node_id]
+                    assert Held(*f[:3]) not in self.held[node]
+        self.checked = len(self.socket.sent)
         for assigns in by_epoch.values():
             sizes = {m.world_size for m in assigns}
             assert len(sizes) == 1

@@ -195,7 +195,9 @@ def test_torchrun_static_form_command_line(tmp_path, launch):
 
 def test_fsdp_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(tmp_path, launch):
     """FSDP2 over 3 loopback nodes (--nnodes 2:3): one node is lost -> the job goes on with 2,
-    its sharded state cut from the 3 ranks' checkpoint; a node joins -> 3 again, cut from 2."""
+    its sharded state cut from the 3 ranks' checkpoint; a node joins -> 3 again, cut from 2.
+    Each time the shards come from the nodes' memory (their own staging, the copies peers
+    keep), not storage."""
     port = _free_port()
     args = [*_train_args(tmp_path, steps=120), "--async-ckpt", "--fsdp"]
     nodes = [_node(launch, port, "2:3", *args, extra=["--no-warm-pool"])]
@@ -206,15 +208,52 @@ def test_fsdp_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(tmp_path,
     lost = nodes.pop()
     lost.proc.kill()  # the whole node: agent SIGKILLed, its rank dies with it
     lost.finish()
-    shrunk = nodes[0].wait_for(r"world 2 pid \d+ resume_from (\d+) \(storage, resharded from "
+    shrunk = nodes[0].wait_for(r"world 2 pid \d+ resume_from (\d+) \((.*), resharded from "
                                r"3 ranks\)", timeout=90)
     resumed = int(shrunk.group(1))
-    assert resumed >= 10
+    assert resumed >= 10 and "storage" not in shrunk.group(2), shrunk.group(0)
     _wait_committed(tmp_path / "ckpt", resumed + 10, world=2)  # before the node joins
     nodes.append(_node(launch, port, "2:3", *args, extra=["--no-warm-pool"]))
-    nodes[0].wait_for(r"world 3 pid \d+ resume_from \d+ \(storage, resharded from 2 ranks\)",
-                      timeout=90)
+    grown = nodes[-1].wait_for(r"world 3 pid \d+ resume_from \d+ \((.*), resharded from 2 "
+                               r"ranks\)", timeout=90)
+    assert grown.group(1).startswith("peer memory"), grown.group(0)  # it held nothing
     for run in nodes:
         assert run.finish() == 0, run.output
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["final_step"] == 120
+
+
+def test_a_hot_spare_restores_a_lost_nodes_ranks_from_a_peers_memory(tmp_path, launch):
+    """FSDP2 on 3 loopback nodes and a spare beyond --nnodes MAX: a node is lost -> the spare
+    takes its ranks, which restore from the copy a peer keeps in memory (no shard read from
+    storage); the final weights equal those of a run without the fault."""
+    args = [*_train_args(tmp_path, steps=150), "--async-ckpt", "--fsdp", "--step-time", "0.05"]
+    port = _free_port()
+    nodes = [_node(launch, port, "2:3", *args, extra=["--no-warm-pool"])]
+    _wait_listening(port)
+    nodes += [_node(launch, port, "2:3", *args, extra=["--no-warm-pool"]) for _ in range(2)]
+    ranks = {int(run.wait_for(r"start rank (\d) world 3", timeout=120).group(1)): run
+             for run in nodes}
+    spare = _node(launch, port, "2:3", *args, extra=["--no-warm-pool"])
+    ranks[0].wait_for(r"node \S+ waits as a spare")
+    ranks[2].wait_for(r"step 40 ", timeout=120)
+    ranks[2].proc.kill()  # the whole node: agent SIGKILLed, its rank dies with it
+    ranks[2].finish()
+    taken = spare.wait_for(r"start rank 2 world 3 pid \d+ resume_from (\d+) \((.*)\)",
+                           timeout=90)
+    assert int(taken.group(1)) >= 10 and taken.group(2).startswith("peer memory (node "), \
+        taken.group(0)
+    for run in (ranks[0], ranks[1], spare):
+        assert run.finish() == 0, run.output
+    spare_events = (tmp_path / "events").read_text() if (tmp_path / "events").exists() else ""
+    faulted = json.loads((tmp_path / "out.json").read_text())
+    assert faulted["restart_count"] == 1 and faulted["final_step"] == 150
+
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    reference = launch("--standalone", "--nproc-per-node", "3", "--no-warm-pool",
+                       *_train_args(clean, steps=150), "--async-ckpt", "--fsdp",
+                       "--step-time", "0")
+    assert reference.finish() == 0, reference.output
+    assert json.loads((clean / "out.json").read_text())["weights_sha256"] == \
+        faulted["weights_sha256"], spare_events

@@ -4,28 +4,46 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import get_type_hints
 
 import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ftlaunch_contract.messages import CONTROL, Body, Finished, Stop, Successor
+from ftlaunch_contract import messages as wire
+from ftlaunch_contract.messages import (
+    CONTROL,
+    ROWS,
+    Body,
+    Fetch,
+    Finished,
+    Held,
+    Peer,
+    Stop,
+    Successor,
+)
 from ftlaunch_contract.protocol import (
     MAX_BYTES,
+    ROW_CHECKS,
     SCHEMA,
     VERSION,
     Codec,
     Envelope,
     ProtocolError,
-    _members,
 )
 
 SECRET = b"s" * 32
 OTHER_SECRET = b"o" * 32
 
 SAMPLE = {int: 7, str: "node-a", (int, float): 1.5, (int, type(None)): None,
-          _members: [["node-a", "10.0.0.1", 4000], ["node-b", "10.0.0.2", 4001]]}
+          ROW_CHECKS[Successor]: [["node-a", "10.0.0.1", 4000], ["node-b", "10.0.0.2", 4001]],
+          ROW_CHECKS[Peer]: [["node-b", "10.0.0.2", 4100]],
+          ROW_CHECKS[Held]: [[6, 0, 40], [6, 1, 40]],
+          ROW_CHECKS[Fetch]: [[6, 4, 40, "node-a", "10.0.0.1", 4100]]}
+RECORDS = {cls: {name: ROWS[hint] for name, hint in get_type_hints(cls, vars(wire)).items()
+                 if hint in ROWS} for cls in CONTROL.values()}
+"""Each message's fields that are lists of records -> the record type."""
 
 
 def valid_fields(kind: str) -> dict:
@@ -33,10 +51,11 @@ def valid_fields(kind: str) -> dict:
 
 
 def body(kind: str, fields: dict) -> Body:
-    """The typed message of ``kind`` (members as the receiver builds them)."""
-    if "members" in fields and isinstance(fields["members"], list):
-        fields = {**fields, "members": tuple(Successor(*m) for m in fields["members"])}
-    return CONTROL[kind](**fields)
+    """The typed message of ``kind`` (lists of records as the receiver builds them)."""
+    cls = CONTROL[kind]
+    fields = {**fields, **{name: tuple(record(*row) for row in fields[name])
+                           for name, record in RECORDS[cls].items()}}
+    return cls(**fields)
 
 
 def sign(body: bytes, secret: bytes = SECRET) -> list[bytes]:
@@ -342,8 +361,10 @@ field_values = {
     str: st.text(max_size=50),
     (int, float): st.integers(-(2**31), 2**31) | st.floats(allow_nan=False),
     (int, type(None)): st.none() | st.integers(-255, 255),
-    _members: st.lists(st.tuples(st.text(max_size=20), st.text(max_size=20),
-                                 st.integers(0, 65535)).map(list), max_size=5),
+    **{ROW_CHECKS[record]: st.lists(st.tuples(*(
+        st.text(max_size=20) if t is str else st.integers(0, 2**31)
+        for t in get_type_hints(record).values())).map(list), max_size=5)
+       for record in ROW_CHECKS},
 }
 
 

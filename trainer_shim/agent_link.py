@@ -74,7 +74,7 @@ class AgentLink:
             pass  # the agent is behind: a heartbeat is worthless late anyway
 
     def report(self, msg: Body) -> None:
-        """Fire and forget, from any thread but the training thread."""
+        """Fire and forget, from any thread (its own socket, behind a lock)."""
         with self._reports_lock, contextlib.suppress(zmq.Again):
             self._reports.send(pack_local(msg), zmq.NOBLOCK)
 

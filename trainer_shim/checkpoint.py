@@ -18,12 +18,14 @@ import threading
 import weakref
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import msgpack
 import torch
 
 from ftlaunch_contract import environment, reshard, shards
-from ftlaunch_contract.messages import ShardDurable
+from ftlaunch_contract.messages import ShardDurable, ShardStaged
 from ftlaunch_contract.reshard import Box
 from ftlaunch_contract.staging import SLOTS, Slot, StagingFull
 from ftlaunch_contract.storage import open_storage
@@ -58,6 +60,7 @@ class AsyncCheckpointer:
             raise CheckpointError("persist_every must be >= 1, keep_last and keep_every >= 0")
         self.keep_last, self.keep_every, self.persist_every = keep_last, keep_every, persist_every
         directory = staging_dir or os.environ.get(environment.STAGING)
+        self._staging = Path(directory) if directory else None  # None: anonymous slots
         self._slots = [Slot(directory, self.rank, k) for k in range(SLOTS)]
         for slot in self._slots:
             slot.open_existing()
@@ -102,6 +105,7 @@ class AsyncCheckpointer:
                 "dest": self.uri, "tree": tree, "tensors": entries,
                 "nbytes": entries[-1]["offset"] + entries[-1]["nbytes"] if entries else 0}
         slot.seal(meta)  # from here on the copy survives this process
+        _tell_agent(ShardStaged, self.rank, step)  # it copies the shard to a peer's memory
         if step % self.persist_every == 0:
             self._persist_in_background(index, meta)
         if self._slots[index ^ 1].buffer is None and self._busy[index ^ 1] is None:
@@ -155,7 +159,7 @@ class AsyncCheckpointer:
                 shards.persist(self.storage, meta, view)
             finally:
                 view.release()
-            _report_durable(meta["rank"], meta["step"])
+            _tell_agent(ShardDurable, meta["rank"], meta["step"])
             if self.rank == 0:
                 shards.retire(self.storage, self.world_size, self.keep_last, self.keep_every)
         except BaseException as e:  # surfaced by the next save() or wait()
@@ -189,24 +193,35 @@ class AsyncCheckpointer:
                 held[meta["step"]] = index
         return held
 
-    def _history_of(self, step: int, slot: int | None) -> Any:
-        if slot is not None:
-            return (self._slots[slot].meta() or {}).get("history")
-        try:
-            return shards.read_meta(self.storage, step, self.rank).get("history")
-        except shards.ShardError:
-            return None
+    def _memory(self, listed: dict[int, set[int]]) -> dict[tuple[int, int, int],
+                                                            tuple[Path, dict[str, Any]]]:
+        """Shards of this checkpoint whole in this node's shared memory, whichever rank and
+        world saved them: the node's staging slots, and the copies its agent keeps for peers
+        or pulled from them for this restore -> (meta path, meta), by (world, rank, step).
+        Copies of another save than storage holds for their step are left out."""
+        if self._staging is None:
+            return {}
+        found = {}
+        for path in [*self._staging.glob("replicas/rank_*.*.meta"),  # staging's own win
+                     *self._staging.glob("rank_*.*.meta")]:
+            meta = _read_meta(path)
+            if meta is not None and meta.get("dest") == self.uri and self._same_save_as_stored(
+                    listed, meta["step"], meta["rank"], meta.get("save_id")):
+                found[(meta["world_size"], meta["rank"], meta["step"])] = (path, meta)
+        return found
 
-    def _same_save_as_stored(self, step: int, slot: int) -> bool:
-        """Whether a staged copy is the save that storage holds for its step, if storage
+    def _same_save_as_stored(self, listed: dict[int, set[int]], step: int, rank: int,
+                             save_id: Any) -> bool:
+        """Whether a copy in memory is the save that storage holds for its step, if storage
         holds one: a copy staged before the job went back to an older step (a node lost,
         the world resized) is of another history, even under the same step number."""
-        staged = self._slots[slot].meta()
-        try:
-            stored = shards.read_meta(self.storage, step, self.rank)
-        except shards.ShardError:
+        if rank not in listed.get(step, ()):
             return True  # not persisted (yet): agreement among the ranks decides
-        return staged is not None and stored.get("save_id") == staged.get("save_id")
+        try:
+            stored = shards.read_meta(self.storage, step, rank)
+        except shards.ShardError:
+            return True
+        return stored.get("save_id") == save_id
 
     def latest_step(self) -> int | None:
         steps = self.committed_steps()
@@ -215,34 +230,47 @@ class AsyncCheckpointer:
     def load_latest(self, **state: Any) -> int:
         """Load the newest step every rank holds into ``state``'s objects; returns the step
         (0 when there is none). With torch.distributed initialized the ranks agree on it
-        and each verifies its own shard; without, every rank verifies every shard."""
+        and each verifies its own shard; without, every rank verifies every shard.
+        A shard is read from this node's memory when it is there (its own staging, a
+        peer's copy), else from storage; a step saved by another world size is resharded."""
         group = _group(self.world_size)
         try:
-            worlds = shards.saved_world_sizes(self.storage)  # any world: others are resharded
+            listed = shards.listing(self.storage)
+            worlds = shards.saved_world_sizes(self.storage, listed)  # others are resharded
         except OSError as e:
             raise CheckpointError(f"cannot list checkpoints in {self.uri}: {e}") from None
+        memory = self._memory(listed)
         staged = {step: slot for step, slot in self.staged_steps().items()
-                  if self._same_save_as_stored(step, slot)}
+                  if memory.get((self.world_size, self.rank, step), (None,))[0]
+                  == self._slots[slot].meta_path}
+        own = {s for (w, r, s) in memory if w == self.world_size and r == self.rank}
+        for whole, world in _whole_in_memory(memory).items():
+            worlds.setdefault(whole, world)  # a resized world restores from memory too
         candidates = set(worlds)
         if group or self.world_size == 1:
-            candidates |= set(staged)  # only agreement makes a staged-only step safe
+            candidates |= set(staged) | own  # only agreement makes a staged-only step safe
         while True:
             step = _agree(candidates) if group else max(candidates, default=None)
             if step is None:
                 return 0
-            saved_world = self.world_size if step in staged else worlds[step]
+            same = step in staged or step in own
+            saved_world = self.world_size if same else worlds[step]
+            sources: dict[str, int] = {}
             try:
-                if saved_world == self.world_size:
-                    loaded = self._read(step, staged.get(step), verify_all=not group)
+                if step in staged:
+                    loaded = self._read_staged(step, staged[step])
+                    sources["shared memory"] = 1
+                elif saved_world == self.world_size:
+                    loaded = self._read(step, memory, sources, verify_all=not group)
                 else:
-                    loaded = self._read_resharded(step, saved_world)
+                    loaded = self._read_resharded(step, saved_world, memory, sources)
             except CheckpointError as e:
                 log.warning("%s; falling back to the previous step", e)
                 loaded = None
             if group and not _all(loaded is not None):
                 loaded = None  # some rank could not load it: nobody does
             if group and loaded is not None and saved_world == self.world_size:
-                mine = zlib.crc32(str(self._history_of(step, staged.get(step))).encode())
+                mine = zlib.crc32(str(self._history_of(step, staged.get(step), memory)).encode())
                 if all_reduce_int(mine, "min") != all_reduce_int(mine, "max"):
                     log.warning("step %d: its shards come from different saves (a world "
                                 "went back before committing it); taking an older one", step)
@@ -253,9 +281,9 @@ class AsyncCheckpointer:
             for name, target in state.items():  # staged views must not outlive this
                 _restore(target, loaded.pop(name), owned=step not in staged)
             del loaded
-            self.restored_from = "shared memory" if step in staged else "storage"
+            self.restored_from = ", ".join(sources)
             if saved_world != self.world_size:
-                self.restored_from = f"storage, resharded from {saved_world} ranks"
+                self.restored_from += f", resharded from {saved_world} ranks"
             if step in staged:
                 self._next_slot = staged[step] ^ 1  # keep it until the next save is staged
                 if not self.storage.exists(shards.meta_name(step, self.rank)):
@@ -264,40 +292,101 @@ class AsyncCheckpointer:
                     self._persist_in_background(staged[step], meta)
             return step
 
-    def _read(self, step: int, slot: int | None, verify_all: bool) -> dict[str, Any]:
-        if slot is not None:  # staged on this node: no storage read, no checksum needed
-            meta = self._slots[slot].meta()  # views of staging: _restore copies them out
-            assert meta is not None  # staged: sealed with its meta
-            tensors = [_tensor(self._slots[slot].buffer, e) for e in meta["tensors"]]
-            log.info("rank %d restored step %d from shared memory", self.rank, step)
-            return _decode(meta["tree"], tensors)
+    def _history_of(self, step: int, slot: int | None, memory: dict) -> Any:
+        if slot is not None:
+            return (self._slots[slot].meta() or {}).get("history")
+        if (self.world_size, self.rank, step) in memory:
+            return memory[(self.world_size, self.rank, step)][1].get("history")
         try:
-            for r in range(self.world_size) if verify_all else ():
-                if r != self.rank:
-                    shards.read(self.storage, step, r)
-            meta, data = shards.read(self.storage, step, self.rank)
+            return shards.read_meta(self.storage, step, self.rank).get("history")
+        except shards.ShardError:
+            return None
+
+    def _read_staged(self, step: int, slot: int) -> dict[str, Any]:
+        """This rank's own staged copy: views of staging (``_restore`` copies them out)."""
+        meta = self._slots[slot].meta()
+        assert meta is not None  # staged: sealed with its meta
+        tensors = [_tensor(self._slots[slot].buffer, e) for e in meta["tensors"]]
+        log.info("rank %d restored step %d from shared memory", self.rank, step)
+        return _decode(meta["tree"], tensors)
+
+    def _shard(self, step: int, world: int, rank: int, memory: dict,
+               sources: dict[str, int]) -> tuple[dict[str, Any], bytearray]:
+        """One saved rank's shard: from this node's memory if it holds it, else storage
+        (verified against its checksum); ``sources`` counts where each came from."""
+        if (world, rank, step) in memory:
+            path, meta = memory[(world, rank, step)]
+            data = _read_copy(path, meta)
+            if data is not None:
+                where = f"peer memory (node {meta['replica_from']})" \
+                    if meta.get("replica_from") else "shared memory"
+                sources[where] = sources.get(where, 0) + 1
+                return meta, data
+        try:
+            meta, data = shards.read(self.storage, step, rank)
         except shards.ShardError as e:
             raise CheckpointError(str(e)) from None
+        sources["storage"] = sources.get("storage", 0) + 1
+        return meta, data
+
+    def _read(self, step: int, memory: dict, sources: dict[str, int],
+              verify_all: bool) -> dict[str, Any]:
+        for r in range(self.world_size) if verify_all else ():
+            if r != self.rank:
+                self._shard(step, self.world_size, r, memory, {})
+        meta, data = self._shard(step, self.world_size, self.rank, memory, sources)
+        log.info("rank %d restored step %d from %s", self.rank, step, ", ".join(sources))
         return _decode(meta["tree"], [_tensor(data, e) for e in meta["tensors"]])
 
-
-    def _read_resharded(self, step: int, saved_world: int) -> dict[str, Any]:
-        """A step saved by another world size: every saved rank's shard (verified), its
-        sharded tensors to be cut to this rank's layout on restore."""
-        try:
-            trees, saves = [], set()
-            for r in range(saved_world):
-                meta, data = shards.read(self.storage, step, r)
-                saves.add((meta.get("world_size"), meta.get("history")))
-                trees.append(_decode(meta["tree"], [_tensor(data, e) for e in meta["tensors"]]))
-        except shards.ShardError as e:
-            raise CheckpointError(str(e)) from None
+    def _read_resharded(self, step: int, saved_world: int, memory: dict,
+                        sources: dict[str, int]) -> dict[str, Any]:
+        """A step saved by another world size: every saved rank's shard (from memory where
+        this node holds it, else storage), its sharded tensors to be cut to this rank's
+        layout on restore."""
+        trees, saves = [], set()
+        for r in range(saved_world):
+            meta, data = self._shard(step, saved_world, r, memory, sources)
+            saves.add((meta.get("world_size"), meta.get("history")))
+            trees.append(_decode(meta["tree"], [_tensor(data, e) for e in meta["tensors"]]))
         if len(saves) > 1:  # e.g. a shard left by a world that went back before committing
             raise CheckpointError(f"step {step}: its shards come from different saves")
-        log.info("rank %d restores step %d saved by %d ranks (resharding)", self.rank, step,
-                 saved_world)
+        log.info("rank %d restores step %d saved by %d ranks (resharding; %s)", self.rank,
+                 step, saved_world, sources)
         loaded: dict[str, Any] = _with_chunks(trees, self.rank if self.rank < saved_world else 0)
         return loaded
+
+
+def _whole_in_memory(memory: dict[tuple[int, int, int], Any]) -> dict[int, int]:
+    """Steps whose every saved rank's shard is in this node's memory -> their world size."""
+    ranks: dict[tuple[int, int], set[int]] = {}
+    for world, rank, step in memory:
+        ranks.setdefault((step, world), set()).add(rank)
+    return {step: world for (step, world), have in ranks.items() if have >= set(range(world))}
+
+
+def _read_meta(path: Path) -> dict[str, Any] | None:
+    try:
+        meta = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or not all(
+            type(meta.get(k)) is int for k in ("world_size", "rank", "step", "nbytes")):
+        return None
+    return meta
+
+
+def _read_copy(meta_path: Path, meta: dict[str, Any]) -> bytearray | None:
+    """A shard's bytes from shared memory, or None if its slot was overwritten meanwhile
+    (a meta is removed before its data is)."""
+    data = bytearray(meta["nbytes"])
+    try:
+        with open(meta_path.with_suffix(".data"), "rb") as f:
+            if f.readinto(data) != len(data):
+                return None
+    except OSError:
+        return None
+    again = _read_meta(meta_path)
+    return data if again is not None and again.get("save_id") == meta.get("save_id") else None
 
 
 def _with_chunks(trees: list[Any], own: int) -> Any:
@@ -329,11 +418,12 @@ def _history() -> str:
     return f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
-def _report_durable(rank: int, step: int) -> None:
-    """Tell the agent (which tells the coordinator, which commits once every rank has)."""
+def _tell_agent(kind: type[ShardDurable] | type[ShardStaged], rank: int, step: int) -> None:
+    """A shard is staged (the agent copies it to peers) or durable (the agent tells the
+    coordinator, which commits the step once every rank's is)."""
     link = getattr(sys.modules["trainer_shim"], "_link", None)
     if link is not None:
-        link.report(ShardDurable(pid=link.pid, rank=rank, step=step))
+        link.report(kind(pid=link.pid, rank=rank, step=step))
 
 
 def _stage(slot: Slot, tensors: list[torch.Tensor], sizes: list[int]) -> list[dict[str, Any]]:

@@ -1,0 +1,83 @@
+"""Where checkpoint replicas go, and where a node restores from: pure functions, no sockets.
+
+Every node keeps its ranks' staged shards in its own shared memory and a copy on ``k``
+peers (``holders``). When a round forms, the coordinator knows from the nodes' joins which
+node holds which shard in memory (``Held``), and tells each node what to pull from which
+peer before its ranks start (``fetch_plan``): a replacement node its ranks' shards, every
+node of a resized world the saved world's shards it lacks. Storage is read only for
+shards no memory holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+from ftlaunch_contract.messages import Held
+
+
+class Seat(NamedTuple):
+    """A node's ranks in the round being formed."""
+
+    node_id: str
+    rank_offset: int
+    local_world_size: int
+    world_size: int
+
+
+def holders(ring: list[tuple[str, str]], node: str, k: int) -> list[str]:
+    """The ``k`` nodes that keep ``node``'s replicas. ``ring``: (node id, failure domain) in
+    group-rank order. The nodes after ``node`` around the ring, those in another failure
+    domain (another host) first, so that one lost host rarely takes both copies."""
+    ids = [n for n, _ in ring]
+    if node not in ids or k <= 0:
+        return []
+    at = ids.index(node)
+    domain = ring[at][1]
+    after = [ring[(at + i) % len(ring)] for i in range(1, len(ring))]
+    ordered = [n for n, d in after if d != domain] + [n for n, d in after if d == domain]
+    return ordered[:k]
+
+
+def newest_in_memory(held: Mapping[str, Iterable[Held]]) -> tuple[int, int] | None:
+    """(world size, step) of the newest step whose every rank some node holds in memory."""
+    ranks: dict[tuple[int, int], set[int]] = {}
+    for copies in held.values():
+        for h in copies:
+            ranks.setdefault((h.world_size, h.step), set()).add(h.rank)
+    whole = [(step, world) for (world, step), have in ranks.items()
+             if world > 0 and have >= set(range(world))]
+    if not whole:
+        return None
+    step, world = max(whole)
+    return world, step
+
+
+def fetch_plan(held: Mapping[str, Iterable[Held]],
+               seats: list[Seat]) -> dict[str, list[tuple[Held, str]]]:
+    """What each seated node pulls, and from which node, so that its ranks can restore the
+    newest step held in memory without storage: on the same world size its own ranks'
+    shards; on another, every saved rank's (each new rank cuts its part from them).
+    Sources are spread over the holders; a node never pulls what it holds."""
+    newest = newest_in_memory(held)
+    if newest is None:
+        return {}
+    world, step = newest
+    where: dict[int, list[str]] = {}
+    for node, copies in sorted(held.items()):
+        for h in copies:
+            if (h.world_size, h.step) == newest:
+                where.setdefault(h.rank, []).append(node)
+    plan: dict[str, list[tuple[Held, str]]] = {}
+    for seat in seats:
+        same = seat.world_size == world
+        ranks = range(seat.rank_offset, seat.rank_offset + seat.local_world_size) if same \
+            else range(world)
+        pulls = []
+        for rank in ranks:
+            sources = [n for n in where.get(rank, []) if n != seat.node_id]
+            if len(sources) == len(where.get(rank, [])):  # not held here
+                pulls.append((Held(world, rank, step), sources[rank % len(sources)]))
+        if pulls:
+            plan[seat.node_id] = pulls
+    return plan

@@ -1,0 +1,469 @@
+"""Checkpoint replicas: copies of staged shards kept in peer nodes' shared memory.
+
+One service per agent, beside its staging directory. It serves the shards whole in this
+node's memory (its ranks' staging slots, and ``replicas/``: the copies it keeps for peers
+or pulled for a restore) to authenticated peers, in ranged chunks; and it *pulls*: a
+peer's offer ("rank 4 staged step 40") or the coordinator's fetch list makes it read the
+shard from its source in chunks and keep it in a ``replicas/`` slot, sealed only once whole.
+A save that is overwritten mid-transfer fails the transfer (the source re-checks the
+save's id after every chunk it reads), so a replica is never torn.
+
+Wire: ZeroMQ frames ``[header, data, mac]``: ``header`` a msgpack map, ``mac`` an
+HMAC-SHA256 of header and data under a key derived from the job secret. Nothing is
+unpickled; anything unsigned or malformed is dropped. Two threads do the work, off the
+agent's loop: the server answers requests, the puller moves bytes (bounded by
+``--replica-bandwidth`` for replicas; restores go at full speed). The agent hears of
+finished transfers through ``news()`` (its poll loop watches ``fd``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from ftlaunch_contract.messages import Held, Peer
+from ftlaunch_contract.staging import SLOTS, Slot, StagingFull
+
+log = logging.getLogger("ftlaunch.replicas")
+
+CHUNK = 4 << 20
+WINDOW = 4  # chunks in flight per transfer
+REPLY_TIMEOUT = 10.0  # seconds without a reply before a transfer is given up
+MAX_HEADER = 64 << 20  # a meta lists every tensor of a shard
+
+
+class TransferError(RuntimeError):
+    """A transfer that failed; the text says why."""
+
+
+@dataclass(frozen=True)
+class Transferred:
+    """A shard now whole in this node's memory (``purpose``: replica or restore)."""
+
+    held: Held
+    source: str
+    purpose: str
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class NotTransferred:
+    held: Held
+    source: str
+    purpose: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class FetchDone:
+    """Every shard of the coordinator's fetch list has been pulled, or given up."""
+
+    pulled: int
+    failed: int
+    seconds: float
+
+
+News = Transferred | NotTransferred | FetchDone
+
+
+class Wire:
+    """Signs and checks ``[header, data, mac]`` frames with a key derived from the secret."""
+
+    def __init__(self, secret: bytes):
+        self._key = hashlib.sha256(b"ftlaunch replicas\0" + secret).digest()
+
+    def pack(self, header: dict[str, Any], data: bytes | memoryview = b"") -> list[Any]:
+        head = msgpack.packb(header)
+        mac = hmac.new(self._key, head, hashlib.sha256)
+        mac.update(data)
+        return [head, data, mac.digest()]
+
+    def unpack(self, frames: list[Any]) -> tuple[dict[str, Any], memoryview]:
+        if len(frames) != 3:
+            raise TransferError(f"expected 3 frames, got {len(frames)}")
+        head, data, mac = (f.buffer if isinstance(f, zmq.Frame) else memoryview(f)
+                           for f in frames)
+        if len(head) > MAX_HEADER:
+            raise TransferError("header too large")
+        expected = hmac.new(self._key, head, hashlib.sha256)
+        expected.update(data)
+        if not hmac.compare_digest(expected.digest(), bytes(mac)):
+            raise TransferError("bad signature (wrong job secret, forged or corrupted)")
+        try:
+            header = msgpack.unpackb(head, raw=False, strict_map_key=True)
+        except Exception as e:
+            raise TransferError(f"undecodable header: {type(e).__name__}") from None
+        if not isinstance(header, dict):
+            raise TransferError("header is not a map")
+        return header, data
+
+
+class MemoryShards:
+    """The shards whole in this node's shared memory: staging slots and replicas."""
+
+    def __init__(self, staging_dir: Path):
+        self.staging_dir = Path(staging_dir)
+        self.replicas_dir = self.staging_dir / "replicas"
+        self.replicas_dir.mkdir(exist_ok=True)
+
+    def metas(self) -> list[tuple[Path, dict[str, Any]]]:
+        found = []
+        for directory in (self.staging_dir, self.replicas_dir):
+            for path in sorted(directory.glob("rank_*.*.meta")):
+                meta = _read_meta(path)
+                if meta is not None:
+                    found.append((path, meta))
+        return found
+
+    def inventory(self) -> tuple[Held, ...]:
+        return tuple(sorted({_held(meta) for _, meta in self.metas()}))
+
+    def find(self, held: Held) -> tuple[Path, dict[str, Any]] | None:
+        return next(((p, m) for p, m in self.metas() if _held(m) == held), None)
+
+    def read(self, held: Held, save_id: str, offset: int, nbytes: int) -> bytes:
+        """Bytes of a shard, consistent with save ``save_id`` (checked after the read:
+        a slot's meta is removed before its data is overwritten)."""
+        found = self.find(held)
+        if found is None or found[1].get("save_id") != save_id:
+            raise TransferError(f"{_name(held)} is no longer held")
+        meta_path, meta = found
+        if not 0 <= offset <= offset + nbytes <= meta["nbytes"]:
+            raise TransferError("range outside the shard")
+        fd = os.open(meta_path.with_suffix(".data"), os.O_RDONLY)
+        try:
+            data = os.pread(fd, nbytes, offset)
+        finally:
+            os.close(fd)
+        again = _read_meta(meta_path)
+        if again is None or again.get("save_id") != save_id or len(data) != nbytes:
+            raise TransferError(f"{_name(held)} was overwritten during the transfer")
+        return data
+
+    def replica_slot(self, held: Held, save_id: str) -> Slot | None:
+        """The slot to pull ``held`` into (None: held already): the free one, else the one
+        with the older step of that rank."""
+        slots = [Slot(str(self.replicas_dir), held.rank, k) for k in range(SLOTS)]
+        metas = [s.meta() for s in slots]
+        if any(m is not None and m.get("save_id") == save_id for m in metas):
+            return None
+        free = [k for k, m in enumerate(metas) if m is None]
+        k = free[0] if free else min(range(SLOTS), key=lambda i: metas[i]["step"])  # type: ignore[index]
+        return slots[k]
+
+
+@dataclass(order=True)
+class _Job:
+    priority: int  # restores first
+    seq: int
+    held: Held = field(compare=False)
+    source: Peer = field(compare=False)
+    purpose: str = field(compare=False)
+    batch: int = field(compare=False, default=0)
+
+
+class ReplicaService:
+    def __init__(self, context: zmq.Context, secret: bytes, node_id: str, addr: str,
+                 staging_dir: Path, bandwidth: float = 0.0,
+                 reply_timeout: float = REPLY_TIMEOUT):
+        """``bandwidth``: bytes/s cap on pulling replicas (0: none)."""
+        self.reply_timeout = reply_timeout
+        self.node_id, self._addr = node_id, addr
+        self.shards = MemoryShards(staging_dir)
+        self._context, self._wire, self._bandwidth = context, Wire(secret), bandwidth
+        self._router = context.socket(zmq.ROUTER)
+        self._router.linger = 0
+        self.port = self._router.bind_to_random_port(f"tcp://{addr}")
+        self._offers: dict[tuple[str, int], zmq.Socket] = {}  # the agent thread's sockets
+        self._jobs: queue.PriorityQueue[_Job] = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._newest_offer: dict[tuple[int, int], int] = {}  # (world, rank) -> step
+        self._batches: dict[int, list[int]] = {}  # batch -> [left, pulled, failed]
+        self._batch_started: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self._news: queue.SimpleQueue[News] = queue.SimpleQueue()
+        self.fd, self._wake_fd = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._wake_fd, False)
+        self._stop_endpoint = f"inproc://replicas-stop-{id(self)}"
+        self._stop = context.socket(zmq.PAIR)
+        self._stop.bind(self._stop_endpoint)
+        self._threads = [threading.Thread(target=self._serve, name="ftlaunch-replica-server",
+                                          daemon=True),
+                         threading.Thread(target=self._pull_loop, name="ftlaunch-replica-pull",
+                                          daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # --- the agent's side (its own thread) ---------------------------------------------
+
+    def inventory(self) -> tuple[Held, ...]:
+        return self.shards.inventory()
+
+    def offer(self, held: Held, to: tuple[Peer, ...]) -> None:
+        """Tell ``to`` that this node holds ``held`` in memory: each pulls a copy."""
+        for peer in to:
+            sock = self._offers.get((peer.addr, peer.port))
+            if sock is None:
+                sock = self._offers[(peer.addr, peer.port)] = self._context.socket(zmq.DEALER)
+                sock.linger = 0
+                sock.sndhwm = 64
+                sock.connect(f"tcp://{peer.addr}:{peer.port}")
+            header = {"type": "offer", "world": held.world_size, "rank": held.rank,
+                      "step": held.step, "node_id": self.node_id, "addr": self._addr,
+                      "port": self.port}
+            try:
+                sock.send_multipart(self._wire.pack(header), zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("replica holder %s unreachable: %s not offered", peer.node_id,
+                            _name(held))
+
+    def fetch(self, wanted: list[tuple[Held, Peer]]) -> None:
+        """Pull these shards, at full speed, before the ranks restore; ``FetchDone`` once
+        all are in or given up."""
+        with self._lock:
+            batch = next(self._seq) + 1
+            self._batches[batch] = [len(wanted), 0, 0]
+            self._batch_started[batch] = time.monotonic()
+        for held, peer in wanted:
+            self._jobs.put(_Job(0, next(self._seq), held, peer, "restore", batch))
+
+    def news(self) -> list[News]:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self.fd, 4096)
+        out = []
+        while True:
+            try:
+                out.append(self._news.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        self._stop.send(b"")
+        self._jobs.put(_Job(-1, -1, Held(0, 0, 0), Peer("", "", 0), "stop"))
+        for t in self._threads:
+            t.join(timeout=self.reply_timeout + 1)
+        for sock in (*self._offers.values(), self._stop, self._router):
+            sock.close()
+        os.close(self.fd)
+        os.close(self._wake_fd)
+
+    def _tell(self, news: News) -> None:
+        self._news.put(news)
+        with contextlib.suppress(BlockingIOError):  # the pipe is full of wake-ups already
+            os.write(self._wake_fd, b"!")
+
+    # --- the server thread -------------------------------------------------------------
+
+    def _serve(self) -> None:
+        stop = self._context.socket(zmq.PAIR)
+        stop.connect(self._stop_endpoint)
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(stop, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if stop in ready:
+                    return
+                frames = self._router.recv_multipart(copy=False)
+                try:
+                    header, _ = self._wire.unpack(frames[1:])
+                    reply = self._answer(header)
+                except TransferError as e:
+                    log.warning("replica request dropped: %s", e)
+                    continue
+                if reply is not None:
+                    self._router.send_multipart([frames[0], *reply], copy=False)
+        finally:
+            stop.close()
+
+    def _answer(self, h: dict[str, Any]) -> list[Any] | None:
+        kind = h.get("type")
+        held = Held(_int(h, "world"), _int(h, "rank"), _int(h, "step"))
+        if kind == "offer":
+            peer = Peer(_str(h, "node_id"), _str(h, "addr"), _int(h, "port"))
+            key = (held.world_size, held.rank)
+            with self._lock:
+                if self._newest_offer.get(key, -1) >= held.step:
+                    return None
+                self._newest_offer[key] = held.step
+            self._jobs.put(_Job(1, next(self._seq), held, peer, "replica"))
+            return None
+        nonce = _str(h, "nonce")
+        try:
+            if kind == "meta":
+                found = self.shards.find(held)
+                if found is None:
+                    raise TransferError(f"{_name(held)} is not held here")
+                return self._wire.pack({"nonce": nonce, "error": "", "meta": found[1]})
+            if kind == "get":
+                data = self.shards.read(held, _str(h, "save_id"), _int(h, "offset"),
+                                        _int(h, "nbytes"))
+                return self._wire.pack({"nonce": nonce, "error": ""}, data)
+        except (TransferError, OSError) as e:
+            return self._wire.pack({"nonce": nonce, "error": str(e)})
+        raise TransferError(f"unknown request {kind!r}")
+
+    # --- the puller thread -------------------------------------------------------------
+
+    def _pull_loop(self) -> None:
+        sockets: dict[tuple[str, int], zmq.Socket] = {}
+        try:
+            while (job := self._jobs.get()).purpose != "stop":
+                if job.purpose == "replica" and \
+                        self._newest_offer.get((job.held.world_size, job.held.rank), -1) > job.held.step:
+                    continue  # a newer save of that rank was offered: copy that one
+                started = time.monotonic()
+                try:
+                    nbytes = self._pull(job, sockets)
+                    news: News = Transferred(job.held, job.source.node_id, job.purpose,
+                                             nbytes, time.monotonic() - started)
+                except (TransferError, StagingFull, OSError) as e:
+                    for key in [k for k, s in sockets.items() if k == (job.source.addr,
+                                                                         job.source.port)]:
+                        sockets.pop(key).close()  # drop replies still in flight
+                    news = NotTransferred(job.held, job.source.node_id, job.purpose, str(e))
+                self._tell(news)
+                if job.batch:
+                    self._batch_progress(job.batch, isinstance(news, Transferred))
+        finally:
+            for sock in sockets.values():
+                sock.close()
+
+    def _batch_progress(self, batch: int, ok: bool) -> None:
+        with self._lock:
+            counts = self._batches[batch]
+            counts[0] -= 1
+            counts[1 if ok else 2] += 1
+            if counts[0] > 0:
+                return
+            del self._batches[batch]
+            seconds = time.monotonic() - self._batch_started.pop(batch)
+        self._tell(FetchDone(counts[1], counts[2], seconds))
+
+    def _pull(self, job: _Job, sockets: dict[tuple[str, int], zmq.Socket]) -> int:
+        """Copy one shard from its source into a replica slot; returns its size."""
+        key = (job.source.addr, job.source.port)
+        sock = sockets.get(key)
+        if sock is None:
+            sock = sockets[key] = self._context.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.connect(f"tcp://{job.source.addr}:{job.source.port}")
+        held = job.held
+        base = {"world": held.world_size, "rank": held.rank, "step": held.step}
+        nonce = os.urandom(8).hex()
+        sock.send_multipart(self._wire.pack({**base, "type": "meta", "nonce": nonce}))
+        meta = _checked_meta(self._reply(sock, {nonce}, self.reply_timeout)[0].get("meta"), held)
+        slot = self.shards.replica_slot(held, meta["save_id"])
+        if slot is None:
+            return int(meta["nbytes"])  # holds it already
+        slot.invalidate()
+        try:
+            slot.ensure(meta["nbytes"])
+            assert slot.buffer is not None
+            offsets = list(range(0, meta["nbytes"], CHUNK))
+            pending: dict[str, int] = {}
+            send_at = time.monotonic()
+            while offsets or pending:
+                while offsets and len(pending) < WINDOW:
+                    if job.purpose == "replica" and self._bandwidth > 0:
+                        time.sleep(max(0.0, send_at - time.monotonic()))
+                    offset = offsets.pop(0)
+                    size = min(CHUNK, meta["nbytes"] - offset)
+                    send_at = max(send_at, time.monotonic()) + size / (self._bandwidth or 1e18)
+                    nonce = os.urandom(8).hex()
+                    pending[nonce] = offset
+                    sock.send_multipart(self._wire.pack(
+                        {**base, "type": "get", "nonce": nonce, "save_id": meta["save_id"],
+                         "offset": offset, "nbytes": size}))
+                header, data = self._reply(sock, set(pending), self.reply_timeout)
+                offset = pending.pop(header["nonce"])
+                if len(data) != min(CHUNK, meta["nbytes"] - offset):
+                    raise TransferError("a chunk of the wrong size")
+                slot.buffer[offset:offset + len(data)] = data
+            slot.seal({**meta, "replica_from": job.source.node_id})
+            return int(meta["nbytes"])
+        finally:
+            slot.close()
+
+    def _reply(self, sock: zmq.Socket, nonces: set[str],
+               timeout: float) -> tuple[dict[str, Any], memoryview]:
+        """The next signed reply to one of ``nonces`` (others are stale: dropped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                raise TransferError(f"no reply within {timeout:g}s")
+            try:
+                header, data = self._wire.unpack(sock.recv_multipart(copy=False))
+            except TransferError as e:
+                raise TransferError(f"reply rejected: {e}") from None
+            if header.get("nonce") not in nonces:
+                continue
+            if header.get("error"):
+                raise TransferError(str(header["error"]))
+            return header, data
+
+
+def _read_meta(path: Path) -> dict[str, Any] | None:
+    try:
+        meta = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+    try:
+        _held(meta)
+    except (KeyError, TypeError):
+        return None
+    return meta
+
+
+def _held(meta: dict[str, Any]) -> Held:
+    return Held(int(meta["world_size"]), int(meta["rank"]), int(meta["step"]))
+
+
+def _checked_meta(meta: Any, held: Held) -> dict[str, Any]:
+    """A peer's meta, as far as this side relies on it (the shim checks the rest)."""
+    if not isinstance(meta, dict) or type(meta.get("nbytes")) is not int \
+            or meta["nbytes"] < 0 or not isinstance(meta.get("save_id"), str):
+        raise TransferError("malformed meta")
+    try:
+        if _held(meta) != held:
+            raise TransferError(f"the peer sent another shard than {_name(held)}")
+    except (KeyError, TypeError, ValueError):
+        raise TransferError("malformed meta") from None
+    return meta
+
+
+def _int(h: dict[str, Any], key: str) -> int:
+    value = h.get(key)
+    if type(value) is not int:
+        raise TransferError(f"{key}: not an int")
+    return value
+
+
+def _str(h: dict[str, Any], key: str) -> str:
+    value = h.get(key)
+    if not isinstance(value, str):
+        raise TransferError(f"{key}: not a string")
+    return value
+
+
+def _name(held: Held) -> str:
+    return f"rank {held.rank}'s step {held.step} (world {held.world_size})"

@@ -1,0 +1,258 @@
+"""Checkpoint replicas: placement and restore plans (pure), and the service that moves the
+bytes between nodes' shared memory (real ZeroMQ sockets over loopback, real shm files)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftlaunch_contract.messages import Held, Peer
+from ftlaunch_contract.staging import Slot
+from launcher.replica_plan import Seat, fetch_plan, holders, newest_in_memory
+from launcher.replica_service import (
+    FetchDone,
+    NotTransferred,
+    ReplicaService,
+    Transferred,
+    Wire,
+)
+
+SECRET = b"k" * 32
+
+# --- placement ----------------------------------------------------------------------------
+
+
+def test_holders_are_the_next_nodes_around_the_ring():
+    ring = [("a", "h1"), ("b", "h2"), ("c", "h3")]
+    assert holders(ring, "a", 1) == ["b"]
+    assert holders(ring, "c", 1) == ["a"]
+    assert holders(ring, "b", 2) == ["c", "a"]
+    assert holders(ring, "a", 5) == ["b", "c"]  # no more than there are peers
+    assert holders(ring, "a", 0) == [] and holders([("a", "h1")], "a", 1) == []
+
+
+def test_holders_avoid_the_nodes_own_failure_domain():
+    ring = [("a0", "host-a"), ("a1", "host-a"), ("b0", "host-b"), ("b1", "host-b")]
+    assert holders(ring, "a0", 1) == ["b0"]  # not a1: the same host dies with it
+    assert holders(ring, "b1", 1) == ["a0"]
+    assert holders(ring, "a0", 3) == ["b0", "b1", "a1"]  # same domain only as a last resort
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from("xyz"), min_size=1, max_size=8), st.integers(0, 4))
+def test_holders_property(domains, k):
+    ring = [(f"n{i}", d) for i, d in enumerate(domains)]
+    for node, domain in ring:
+        chosen = holders(ring, node, k)
+        assert node not in chosen and len(set(chosen)) == len(chosen)
+        assert len(chosen) == min(k, len(ring) - 1)
+        others = [n for n, d in ring if d != domain and n != node]
+        assert all(dict(ring)[n] != domain for n in chosen[:len(others)])
+
+
+# --- where a round restores from ----------------------------------------------------------
+
+def held(world, ranks, step):
+    return [Held(world, r, step) for r in ranks]
+
+
+def test_a_replacement_node_pulls_its_ranks_shards_from_their_holders():
+    # 3 nodes x 2 ranks, ring a->b->c->a: node c (ranks 4, 5) was lost, its copies live on a.
+    inventories = {"a": held(6, [0, 1], 40) + held(6, [4, 5], 40) + held(6, [0, 1], 39),
+                   "b": held(6, [2, 3], 40) + held(6, [0, 1], 40)}
+    seats = [Seat("a", 0, 2, 6), Seat("b", 2, 2, 6), Seat("spare", 4, 2, 6)]
+    assert newest_in_memory(inventories) == (6, 40)
+    assert fetch_plan(inventories, seats) == {
+        "spare": [(Held(6, 4, 40), "a"), (Held(6, 5, 40), "a")]}
+
+
+def test_a_resized_world_pulls_every_saved_shard_it_lacks():
+    inventories = {"a": held(6, [0, 1, 4, 5], 40), "b": held(6, [2, 3, 0, 1], 40)}
+    plan = fetch_plan(inventories, [Seat("a", 0, 2, 4), Seat("b", 2, 2, 4)])
+    assert plan == {"a": [(Held(6, 2, 40), "b"), (Held(6, 3, 40), "b")],
+                    "b": [(Held(6, 4, 40), "a"), (Held(6, 5, 40), "a")]}
+
+
+def test_no_plan_when_some_rank_of_every_step_is_gone_from_memory():
+    inventories = {"a": held(6, [0, 1], 40), "b": held(6, [2, 3], 40)}  # 4, 5: both copies lost
+    assert newest_in_memory(inventories) is None
+    assert fetch_plan(inventories, [Seat("a", 0, 2, 6), Seat("b", 2, 2, 6),
+                                    Seat("c", 4, 2, 6)]) == {}
+
+
+def test_the_newest_whole_step_wins_even_if_an_older_one_is_held_more_widely():
+    inventories = {"a": held(2, [0], 41) + held(2, [0, 1], 40), "b": held(2, [1], 41)}
+    assert newest_in_memory(inventories) == (2, 41)
+    assert fetch_plan(inventories, [Seat("a", 0, 1, 2), Seat("c", 1, 1, 2)]) == {
+        "c": [(Held(2, 1, 41), "b")]}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abcd"), st.integers(0, 3), st.integers(1, 3)),
+                max_size=30), st.integers(1, 4))
+def test_fetch_plan_property(copies, new_world):
+    inventories: dict[str, list[Held]] = {}
+    for node, rank, step in copies:
+        inventories.setdefault(node, []).append(Held(4, rank, step))
+    seats = [Seat(n, i, 1, new_world) for i, n in enumerate("abcd"[:new_world])]
+    plan = fetch_plan(inventories, seats)
+    newest = newest_in_memory(inventories)
+    for node, pulls in plan.items():
+        for h, source in pulls:
+            assert (h.world_size, h.step) == newest
+            assert source != node and h in inventories[source]
+            assert h not in inventories.get(node, [])
+    if newest is not None:  # afterwards every seat holds what its ranks restore from
+        for seat in seats:
+            have = set(inventories.get(seat.node_id, [])) | {h for h, _ in plan.get(seat.node_id, [])}
+            need = [seat.rank_offset] if new_world == 4 else range(4)
+            assert {Held(4, r, newest[1]) for r in need} <= have
+
+
+# --- the service --------------------------------------------------------------------------
+
+def stage(directory, rank, step, data: bytes, world=6, index=0, save_id=None):
+    """What a rank's save leaves in staging: the bytes, then the meta sealing them."""
+    slot = Slot(str(directory), rank, index)
+    slot.invalidate()
+    slot.ensure(len(data))
+    slot.buffer[:len(data)] = data
+    meta = {"step": step, "rank": rank, "world_size": world, "save_id": save_id or os.urandom(8).hex(),
+            "history": "round 1", "dest": "/ckpt", "tree": {}, "tensors": [], "nbytes": len(data)}
+    slot.seal(meta)
+    slot.close()
+    return meta
+
+
+def wait_news(service, want=1, timeout=30.0):
+    got, end = [], time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < end:
+        zmq.select([service.fd], [], [], 0.05)
+        got += service.news()
+    return got
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    context = zmq.Context()
+    made = []
+
+    def make(name, bandwidth=0.0, secret=SECRET):
+        d = tmp_path / name
+        d.mkdir()
+        service = ReplicaService(context, secret, name, "127.0.0.1", d, bandwidth,
+                                 reply_timeout=2.0)
+        made.append(service)
+        return service, d
+    yield make
+    for service in made:
+        service.close()
+    context.term()
+
+
+def as_peer(service):
+    return Peer(service.node_id, "127.0.0.1", service.port)
+
+
+def test_an_offered_shard_is_pulled_whole_into_the_holders_memory(nodes):
+    (a, a_dir), (b, b_dir) = nodes("a"), nodes("b")
+    payload = os.urandom(9 << 20 | 123)  # several chunks and a ragged tail
+    meta = stage(a_dir, 4, 40, payload)
+    a.offer(Held(6, 4, 40), (as_peer(b),))
+    news = wait_news(b)
+    assert news and isinstance(news[0], Transferred), news
+    assert news[0].held == Held(6, 4, 40) and news[0].source == "a"
+    assert b.inventory() == (Held(6, 4, 40),)
+    copy = msgpack.unpackb((b_dir / "replicas" / "rank_4.0.meta").read_bytes())
+    assert copy["save_id"] == meta["save_id"] and copy["replica_from"] == "a"
+    assert (b_dir / "replicas" / "rank_4.0.data").read_bytes()[:len(payload)] == payload
+
+
+def test_a_restore_fetch_pulls_from_a_holders_replicas_and_reports_once_done(nodes):
+    (a, a_dir), (b, _), (c, c_dir) = nodes("a"), nodes("b"), nodes("c")
+    payloads = {r: os.urandom(1 << 20) for r in (4, 5)}
+    for r, data in payloads.items():
+        stage(a_dir / "replicas", r, 40, data)  # a keeps the lost node's copies
+    c.fetch([(Held(6, 4, 40), as_peer(a)), (Held(6, 5, 40), as_peer(a)),
+             (Held(6, 3, 40), as_peer(b))])  # b holds no rank 3: that one fails
+    news = wait_news(c, want=4)
+    done = [n for n in news if isinstance(n, FetchDone)]
+    assert done and (done[0].pulled, done[0].failed) == (2, 1)
+    failed = [n for n in news if isinstance(n, NotTransferred)]
+    assert "not held" in failed[0].reason
+    for r, data in payloads.items():
+        slot = next(p for p in (c_dir / "replicas").glob(f"rank_{r}.*.data"))
+        assert slot.read_bytes()[:len(data)] == data
+
+
+def test_a_peer_with_another_secret_gets_nothing(nodes):
+    (a, a_dir), (b, _) = nodes("a"), nodes("b", secret=b"x" * 32)
+    stage(a_dir, 0, 7, b"secret weights" * 100)
+    b.fetch([(Held(6, 0, 7), as_peer(a))])
+    news = wait_news(b, want=2)
+    assert any(isinstance(n, NotTransferred) and "no reply" in n.reason for n in news), news
+    assert b.inventory() == ()
+
+
+def test_a_forged_or_corrupted_chunk_is_rejected():
+    wire = Wire(SECRET)
+    frames = wire.pack({"nonce": "n", "error": ""}, b"\x00" * 1000)
+    header, data = wire.unpack(frames)
+    assert bytes(data) == b"\x00" * 1000
+    corrupted = [frames[0], b"\x00" * 999 + b"\x01", frames[2]]
+    with pytest.raises(Exception, match="bad signature"):
+        wire.unpack(corrupted)
+    with pytest.raises(Exception, match="bad signature"):
+        Wire(b"y" * 32).unpack(frames)
+
+
+def test_a_save_overwritten_mid_transfer_is_never_sealed_as_a_replica(nodes):
+    (a, a_dir), (b, _) = nodes("a"), nodes("b", bandwidth=8 << 20)  # ~1 s a transfer
+    stage(a_dir, 1, 10, os.urandom(8 << 20), save_id="first")
+    a.offer(Held(6, 1, 10), (as_peer(b),))
+    time.sleep(0.3)  # the transfer is under way
+    stage(a_dir, 1, 12, os.urandom(8 << 20), save_id="second")  # the rank saved again
+    news = wait_news(b)
+    assert isinstance(news[0], NotTransferred), news  # between chunks, or within one:
+    assert "no longer held" in news[0].reason or "overwritten" in news[0].reason
+    assert Held(6, 1, 10) not in b.inventory()
+
+
+def test_bandwidth_cap_bounds_replica_transfers(nodes):
+    (a, a_dir), (b, _) = nodes("a"), nodes("b", bandwidth=16 << 20)
+    stage(a_dir, 0, 3, os.urandom(16 << 20))
+    a.offer(Held(6, 0, 3), (as_peer(b),))
+    news = wait_news(b)
+    assert isinstance(news[0], Transferred) and news[0].seconds >= 0.7  # 16 MiB at 16 MiB/s
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 512 KiB tmpfs: shared memory that fills up."""
+    where = tmp_path / "small"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(where)], check=True)
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def test_full_shared_memory_degrades_to_no_replica(nodes, small_tmpfs):
+    context = zmq.Context()
+    (a, a_dir) = nodes("a")
+    b = ReplicaService(context, SECRET, "b", "127.0.0.1", small_tmpfs)
+    try:
+        stage(a_dir, 0, 3, os.urandom(1 << 20))
+        a.offer(Held(6, 0, 3), (as_peer(b),))
+        news = wait_news(b)
+        assert isinstance(news[0], NotTransferred) and "enlarge /dev/shm" in news[0].reason
+        assert b.inventory() == ()
+    finally:
+        b.close()
+        context.term()
