@@ -96,8 +96,10 @@ def check_torch(nvml_gpus: int) -> tuple[list[Check], int]:
     return [Check("torch", status, f"{torch.__version__} ({built}); no CUDA{hint}")], 0
 
 
-def check_shm(staging_gib: float, path: str = SHM) -> Check:
-    """Checkpoint staging and NCCL live in /dev/shm; docker's default 64 MiB breaks both."""
+def check_shm(staging_gib: float, path: str = SHM, replicas: int = 0) -> Check:
+    """Checkpoint staging and NCCL live in /dev/shm; docker's default 64 MiB breaks both.
+    ``staging_gib`` per node is double-buffered, and so is each of the ``replicas`` copies
+    this node keeps of a peer's staging."""
     fix = "enlarge /dev/shm: docker --shm-size, Kubernetes emptyDir medium: Memory"
     try:
         st = os.statvfs(path)
@@ -106,9 +108,12 @@ def check_shm(staging_gib: float, path: str = SHM) -> Check:
                      f"staging need it; {fix}")
     size, free = st.f_blocks * st.f_frsize / GIB, st.f_bavail * st.f_frsize / GIB
     detail = f"{size:.2f} GiB, {free:.2f} GiB free"
-    if staging_gib > 0 and free < 2 * staging_gib:
-        return Check("/dev/shm", "fail", f"{detail}; staging {staging_gib:g} GiB double-buffered "
-                     f"needs {2 * staging_gib:g} GiB: {fix}")
+    need = 2 * staging_gib * (1 + replicas)
+    if staging_gib > 0 and free < need:
+        kept = f" and {replicas} peer cop{'y' if replicas == 1 else 'ies'}" if replicas else ""
+        return Check("/dev/shm", "fail", f"{detail}; staging {staging_gib:g} GiB{kept}, "
+                     f"double-buffered, needs {need:g} GiB: {fix} (or lower --ckpt-replicas: "
+                     "a full /dev/shm only skips replicas)")
     if staging_gib == 0 and size < 1:
         return Check("/dev/shm", "warn", f"{detail}: under 1 GiB breaks NCCL and checkpoint "
                      f"staging; {fix}")
@@ -299,7 +304,10 @@ def _endpoint(ctx, param, value: str | None) -> tuple[str, int] | None:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout, no table.")
 @click.option("--staging-gib", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Checkpoint staging per node; /dev/shm must have twice this free.")
+              help="Checkpoint staging per node; /dev/shm must have twice this free, for "
+                   "itself and for each peer copy (--ckpt-replicas).")
+@click.option("--ckpt-replicas", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Peer copies of staged checkpoints this node keeps (the job's flag).")
 @click.option("--master-port", type=click.IntRange(1, 65535), default=29500, show_default=True,
               help="Port the job's store will bind on this node.")
 @click.option("--rdzv-endpoint", callback=_endpoint, metavar="HOST[:PORT]",
@@ -309,7 +317,8 @@ def _endpoint(ctx, param, value: str | None) -> tuple[str, int] | None:
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,
               show_default=True, help="Seconds the smoke test may take.")
 @click.option("--no-smoke", is_flag=True, help="Skip the smoke test (starts no processes).")
-def doctor(as_json, staging_gib, master_port, rdzv_endpoint, nproc, timeout, no_smoke) -> int:
+def doctor(as_json, staging_gib, ckpt_replicas, master_port, rdzv_endpoint, nproc, timeout,
+           no_smoke) -> int:
     """Check this node before a job runs here.
 
     \b
@@ -324,7 +333,7 @@ def doctor(as_json, staging_gib, master_port, rdzv_endpoint, nproc, timeout, no_
         if cuda_devices and nproc and nproc > cuda_devices:
             raise click.UsageError(f"--nproc {nproc} is more than the {cuda_devices} GPU(s) torch "
                                    f"sees (one per rank); use --nproc {cuda_devices} or fewer")
-        checks.append(check_shm(staging_gib))
+        checks.append(check_shm(staging_gib, replicas=ckpt_replicas))
         port = check_port("master port", "0.0.0.0", master_port, "pick another --master-port")
         checks += [port] if port is not None else []
         if rdzv_endpoint:

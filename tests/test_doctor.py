@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -56,6 +57,10 @@ def test_shm_missing_warns_and_small_staging_room_fails(tmp_path):
     tight = check_shm(1e9, str(tmp_path))
     assert tight.status == "fail" and "emptyDir medium: Memory" in tight.detail
     assert check_shm(1e-9, str(tmp_path)).status == "ok"
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize / (1 << 30)
+    assert check_shm(free / 3, str(tmp_path)).status == "ok"  # 2x staging fits
+    with_copy = check_shm(free / 3, str(tmp_path), replicas=1)  # 4x does not
+    assert with_copy.status == "fail" and "1 peer copy" in with_copy.detail
 
 
 # --- GPUs (fake NVML) ------------------------------------------------------------------------
