@@ -2,9 +2,11 @@
 
 ``step_<N>/rank_<r>.bin`` holds one rank's tensor bytes, raw; ``step_<N>/rank_<r>.meta``
 (msgpack) says what they are: the state's structure, each tensor's dtype/shape/offset, the
-byte count and a SHA-256. The meta is written after the bytes, so its presence means that
-rank's shard is durable, and a step is *committed* once every rank's meta exists. Nothing
-in a checkpoint is ever executed or unpickled.
+byte count and a SHA-256 of every 4 MiB block (format 2; format 1 had one of the whole
+shard), so that a reader of a byte range (a rank resharding) verifies just the blocks it
+read. The meta is written after the bytes, so its presence means that rank's shard is
+durable, and a step is *committed* once every rank's meta exists. Nothing in a checkpoint
+is ever executed or unpickled.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import msgpack
 
 from ftlaunch_contract.storage import Storage
 
-FORMAT = 1
+FORMAT = 2
+FORMATS = (1, 2)  # readable
+BLOCK = 4 << 20  # bytes per checksummed block
 _STEP = re.compile(r"^step_(\d{9})/rank_(\d+)\.meta$")
 
 
@@ -44,9 +48,9 @@ def persist(storage: Storage, meta: dict[str, Any], data: memoryview) -> None:
     try:
         storage.write(data_name(meta["step"], meta["rank"]), data)
     finally:
-        sha256 = digest.result()
-    storage.write(meta_name(meta["step"], meta["rank"]),
-                  msgpack.packb({**meta, "format": FORMAT, "sha256": sha256}))
+        blocks = digest.result()
+    storage.write(meta_name(meta["step"], meta["rank"]), msgpack.packb(
+        {**meta, "format": FORMAT, "block": BLOCK, "block_sha256": blocks}))
 
 
 def listing(storage: Storage) -> dict[int, set[int]]:
@@ -91,24 +95,58 @@ def read_meta(storage: Storage, step: int, rank: int) -> dict[str, Any]:
                                strict_map_key=False)
     except (OSError, ValueError) as e:
         raise ShardError(f"step {step}: rank {rank}'s meta unreadable: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in FORMATS \
+            or type(meta.get("nbytes")) is not int:
         raise ShardError(f"step {step}: rank {rank}'s shard has an unknown format")
     return meta
 
 
 def read(storage: Storage, step: int, rank: int) -> tuple[dict[str, Any], bytearray]:
     """One rank's shard, verified against its meta."""
+    meta = read_meta(storage, step, rank)
     try:
-        meta = msgpack.unpackb(storage.read(meta_name(step, rank)), raw=False,
-                               strict_map_key=False)
         data = bytearray(storage.read(data_name(step, rank)))
-    except (OSError, ValueError) as e:
+    except OSError as e:
         raise ShardError(f"step {step}: rank {rank}'s shard unreadable: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ShardError(f"step {step}: rank {rank}'s shard has an unknown format")
-    if len(data) != meta.get("nbytes") or hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+    if len(data) != meta["nbytes"] or not _verified(meta, memoryview(data), 0):
         raise ShardError(f"step {step}: rank {rank}'s shard fails its checksum")
     return meta, data
+
+
+def block_size(meta: dict[str, Any]) -> int:
+    """The unit a shard is verified in: its blocks, or (format 1) the whole shard."""
+    if meta.get("format") == 2 and type(meta.get("block")) is int and meta["block"] > 0:
+        return int(meta["block"])
+    return max(1, int(meta["nbytes"]))
+
+
+def read_blocks(storage: Storage, meta: dict[str, Any], first: int,
+                count: int) -> bytes | bytearray:
+    """Blocks ``first`` .. ``first + count - 1`` of a shard (one ranged read), verified."""
+    step, rank, size, block = meta["step"], meta["rank"], meta["nbytes"], block_size(meta)
+    start, end = first * block, min(size, (first + count) * block)
+    if not 0 <= start < end or count <= 0:
+        raise ShardError(f"step {step}: rank {rank}'s shard has no blocks {first}+{count}")
+    try:
+        data = storage.read_range(data_name(step, rank), start, end - start)
+    except OSError as e:
+        raise ShardError(f"step {step}: rank {rank}'s shard unreadable: {e}") from None
+    if len(data) != end - start or not _verified(meta, memoryview(data), start):
+        raise ShardError(f"step {step}: rank {rank}'s shard fails its checksum")
+    return data
+
+
+def _verified(meta: dict[str, Any], data: memoryview, start: int) -> bool:
+    """Whether ``data`` (the shard's bytes from ``start``, on a block boundary) matches."""
+    if meta.get("format") == 1:
+        return start == 0 and hashlib.sha256(data).hexdigest() == meta.get("sha256")
+    block, digests = meta.get("block"), meta.get("block_sha256")
+    if type(block) is not int or block <= 0 or not isinstance(digests, list) \
+            or len(digests) != -(-meta["nbytes"] // block):
+        return False
+    first = start // block
+    return all(hashlib.sha256(data[i:i + block]).digest() == digests[first + i // block]
+               for i in range(0, len(data), block))
 
 
 def retire(storage: Storage, world_size: int, keep_last: int, keep_every: int = 0) -> None:
@@ -125,19 +163,17 @@ def retire(storage: Storage, world_size: int, keep_last: int, keep_every: int = 
 
 
 class _Digest(threading.Thread):
-    """SHA-256 of a buffer, computed beside the write (both release the GIL)."""
+    """SHA-256 of every block of a buffer, computed beside the write (both release the GIL)."""
 
     def __init__(self, data: memoryview):
         super().__init__(name="ftlaunch-ckpt-hash", daemon=True)
-        self._data, self._hex = data, ""
+        self._data, self._blocks = data, list[bytes]()
         self.start()
 
     def run(self) -> None:
-        h = hashlib.sha256()
-        for i in range(0, len(self._data), 64 << 20):
-            h.update(self._data[i:i + (64 << 20)])
-        self._hex = h.hexdigest()
+        self._blocks = [hashlib.sha256(self._data[i:i + BLOCK]).digest()
+                        for i in range(0, len(self._data), BLOCK)]
 
-    def result(self) -> str:
+    def result(self) -> list[bytes]:
         self.join()
-        return self._hex
+        return self._blocks

@@ -29,6 +29,7 @@ class Storage(Protocol):
 
     def write(self, name: str, data: memoryview | bytes) -> None: ...
     def read(self, name: str) -> bytes: ...
+    def read_range(self, name: str, offset: int, nbytes: int) -> bytes | bytearray: ...
     def exists(self, name: str) -> bool: ...
     def list(self, prefix: str = "") -> list[str]: ...
     def remove_prefix(self, prefix: str) -> None: ...
@@ -66,6 +67,16 @@ class PosixStorage:
 
     def read(self, name: str) -> bytes:
         return (self.root / name).read_bytes()
+
+    def read_range(self, name: str, offset: int, nbytes: int) -> bytearray:
+        with open(self.root / name, "rb", buffering=0) as f:
+            f.seek(offset)
+            data = bytearray(nbytes)
+            with memoryview(data) as view:
+                got = 0
+                while got < nbytes and (n := f.readinto(view[got:])):
+                    got += n
+            return data if got == nbytes else data[:got]
 
     def exists(self, name: str) -> bool:
         return (self.root / name).exists()
@@ -122,6 +133,16 @@ class S3Storage:
     def read(self, name: str) -> bytes:
         try:
             return b"".join(self._client.get_object(self.bucket, self._key(name)))
+        except self._error as e:
+            raise StorageError(f"reading s3://{self.bucket}/{self._key(name)}: {e}") from None
+
+    def read_range(self, name: str, offset: int, nbytes: int) -> bytes:
+        """One ranged GET."""
+        if nbytes == 0:
+            return b""
+        try:
+            return b"".join(self._client.get_object(self.bucket, self._key(name), start=offset,
+                                                    end=offset + nbytes))
         except self._error as e:
             raise StorageError(f"reading s3://{self.bucket}/{self._key(name)}: {e}") from None
 

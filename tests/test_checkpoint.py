@@ -15,6 +15,8 @@ import time
 import pytest
 import torch
 
+from ftlaunch_contract import shards
+from ftlaunch_contract.storage import PosixStorage
 from trainer_shim.checkpoint import AsyncCheckpointer, CheckpointError
 
 
@@ -436,7 +438,7 @@ RESHARD = textwrap.dedent("""
         for name, value in sorted(flat.items()):
             value = value.full_tensor() if hasattr(value, "full_tensor") else value
             full[f"{part}.{name}"] = hashlib.sha256(value.detach().numpy().tobytes()).hexdigest()
-    print(json.dumps({"full": full, "source": ckpt.restored_from}))
+    print(json.dumps({"full": full, "source": ckpt.restored_from, "read": ckpt.restored_bytes}))
     ckpt.close()
     dist.destroy_process_group()
 """)
@@ -464,11 +466,15 @@ def test_fsdp_state_resumes_on_fewer_and_on_more_ranks(tmp_path):
     one bit for bit."""
     saved = _ranks(3, "save", tmp_path, RESHARD)
     assert len(saved[0]["full"]) == 16  # 4 parameters, each with exp_avg, exp_avg_sq, step
+    stored = sum(f.stat().st_size for f in (tmp_path / "ckpt").rglob("*.bin"))
     for world in (2, 4):
         loaded = _ranks(world, "load", tmp_path, RESHARD)
         for ld in loaded:
             assert ld["source"] == "storage, resharded from 3 ranks"
             assert ld["full"] == saved[0]["full"], f"on {world} ranks"
+            # only the blocks its new shards overlap (here each shard is one 4 MiB block:
+            # never all three; test_shards checks ranges within big shards)
+            assert ld["read"]["storage"] < stored, ld["read"]
 
 
 def test_plain_state_resumes_on_another_world_size_from_its_old_rank_or_rank_0(tmp_path):
@@ -535,3 +541,41 @@ def test_a_step_whose_shards_come_from_different_histories_is_not_restored(tmp_p
     _two_ranks("resave", tmp_path, HISTORY)
     loaded = _two_ranks("load", tmp_path, HISTORY)
     assert [(ld["step"], ld["x"]) for ld in loaded] == [(4, 40.0), (4, 41.0)]
+
+
+class CountingStorage(PosixStorage):
+    """A real directory that counts the shard bytes read from it."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.bytes_read = 0
+
+    def read_range(self, name, offset, nbytes):
+        data = super().read_range(name, offset, nbytes)
+        self.bytes_read += len(data)
+        return data
+
+
+def test_a_byte_range_is_read_and_verified_in_its_blocks_only(tmp_path):
+    """A shard of 5 blocks and a bit: reading 100 bytes inside block 2 reads that block
+    alone, verified; a flipped byte in another block does not stop it, one in block 2 does."""
+    storage = CountingStorage(str(tmp_path))
+    data = os.urandom(5 * shards.BLOCK + 1000)
+    meta = {"step": 3, "rank": 0, "world_size": 1, "nbytes": len(data), "tree": {},
+            "tensors": []}
+    shards.persist(storage, meta, memoryview(data))
+    meta = shards.read_meta(storage, 3, 0)
+    assert meta["format"] == 2 and len(meta["block_sha256"]) == 6
+    at = 2 * shards.BLOCK + 500
+    assert shards.read_blocks(storage, meta, 2, 1)[500:600] == data[at:at + 100]
+    assert storage.bytes_read == shards.BLOCK
+    assert shards.read_blocks(storage, meta, 5, 1) == data[5 * shards.BLOCK:]  # the short tail
+    path = tmp_path / shards.data_name(3, 0)
+    with open(path, "r+b") as f:  # damage block 4
+        f.seek(4 * shards.BLOCK + 7)
+        f.write(bytes([data[4 * shards.BLOCK + 7] ^ 1]))
+    assert shards.read_blocks(storage, meta, 1, 3)[:10] == data[shards.BLOCK:shards.BLOCK + 10]
+    with pytest.raises(shards.ShardError, match="checksum"):
+        shards.read_blocks(storage, meta, 3, 2)
+    with pytest.raises(shards.ShardError, match="checksum"):
+        shards.read(storage, 3, 0)

@@ -273,3 +273,67 @@ def test_paused_node_rejoins_or_leaves_cleanly(nodes, tmp_path):
     if code != 0:
         raise StillDropped(f"node2 {'still runs' if code is None else f'exited {code}'} "
                            f"after the job finished:\n{second.drain()}")
+
+
+_REPLICA_NODE = r'''
+import hashlib, json, os, sys, time
+from pathlib import Path
+import zmq
+sys.path.insert(0, sys.argv[1])
+from ftlaunch_contract.messages import Held, Peer
+from ftlaunch_contract.staging import Slot
+from launcher.replica_service import FetchDone, ReplicaService
+role, directory, addr = sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+secret = os.environ["FTLAUNCH_SECRET"].encode()
+service = ReplicaService(zmq.Context(), secret, role, addr, directory, reply_timeout=60)
+if role == "source":  # a rank staged 5 MiB (two chunks) here
+    data = os.urandom(5 << 20)
+    slot = Slot(str(directory), 1, 0)
+    slot.ensure(len(data))
+    slot.buffer[:len(data)] = data
+    slot.seal({"step": 5, "rank": 1, "world_size": 2, "save_id": "s", "history": "round 1",
+               "dest": "/ckpt", "tree": {}, "tensors": [], "nbytes": len(data)})
+    print(json.dumps({"port": service.port, "sha": hashlib.sha256(data).hexdigest()}), flush=True)
+    sys.stdin.read()  # serve until the test is done
+else:
+    source, port = sys.argv[5], int(sys.argv[6])
+    started = time.monotonic()
+    service.fetch([(Held(2, 1, 5), Peer("source", source, port))])
+    done = None
+    while done is None:
+        zmq.select([service.fd], [], [], 1.0)
+        done = next((n for n in service.news() if isinstance(n, FetchDone)), None)
+    copy = directory / "replicas" / "rank_1.0.data"
+    data = copy.read_bytes()[:5 << 20] if done.pulled else b""
+    print(json.dumps({"pulled": done.pulled, "seconds": time.monotonic() - started,
+                      "sha": hashlib.sha256(data).hexdigest()}), flush=True)
+service.close()
+'''
+
+
+def test_a_replica_transfer_completes_under_20_percent_packet_loss(cluster, launcher_env,
+                                                                   tmp_path):
+    """A shard pulled from a peer whose every sent packet has a 20% chance to be dropped
+    arrives whole (TCP retransmits; the transfer only gives up when a peer stops answering)."""
+    env = {**launcher_env, "FTLAUNCH_SECRET": secrets.token_hex(16)}
+    source_node, puller_node = cluster.node(1), cluster.node(2)
+    dirs = {}
+    for name in ("source", "puller"):
+        dirs[name] = tmp_path / name
+        dirs[name].mkdir()
+    source = subprocess.Popen(source_node.command(
+        [sys.executable, "-c", _REPLICA_NODE, str(ROOT), "source", str(dirs["source"]),
+         source_node.addr]), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        offered = json.loads(source.stdout.readline())
+        source_node.drop_output(0.2)
+        pulled = subprocess.run(puller_node.command(
+            [sys.executable, "-c", _REPLICA_NODE, str(ROOT), "puller", str(dirs["puller"]),
+             puller_node.addr, source_node.addr, str(offered["port"])]),
+            env=env, capture_output=True, text=True, timeout=240)
+        assert pulled.returncode == 0, pulled.stderr
+        result = json.loads(pulled.stdout.splitlines()[-1])
+        assert result["pulled"] == 1 and result["sha"] == offered["sha"], result
+    finally:
+        source.stdin.close()
+        source.wait(timeout=30)

@@ -71,6 +71,7 @@ class AsyncCheckpointer:
         self._sizer: threading.Thread | None = None
         self._error: BaseException | None = None
         self.restored_from = "nothing"  # by load_latest: "shared memory" or "storage"
+        self.restored_bytes: dict[str, int] = {}  # by load_latest: bytes read, by source
         this = weakref.ref(self)  # a script that never calls close() still gets its saves
 
         def close_if_alive() -> None:
@@ -255,15 +256,17 @@ class AsyncCheckpointer:
                 return 0
             same = step in staged or step in own
             saved_world = self.world_size if same else worlds[step]
-            sources: dict[str, int] = {}
+            sources: dict[str, int] = {}  # where shards were read from -> bytes or shards
+            currents: dict[str, Any] = {}
             try:
                 if step in staged:
                     loaded = self._read_staged(step, staged[step])
-                    sources["shared memory"] = 1
+                    sources["shared memory"] = (self._slots[staged[step]].meta() or {})["nbytes"]
                 elif saved_world == self.world_size:
                     loaded = self._read(step, memory, sources, verify_all=not group)
-                else:
-                    loaded = self._read_resharded(step, saved_world, memory, sources)
+                else:  # read now what each tensor needs, so a bad read falls back for all
+                    loaded = _prefetch(self._read_resharded(step, saved_world, memory, sources),
+                                       currents := {k: _current(v) for k, v in state.items()})
             except CheckpointError as e:
                 log.warning("%s; falling back to the previous step", e)
                 loaded = None
@@ -279,9 +282,11 @@ class AsyncCheckpointer:
                 candidates = {s for s in candidates if s < step}
                 continue
             for name, target in state.items():  # staged views must not outlive this
-                _restore(target, loaded.pop(name), owned=step not in staged)
+                current = currents.get(name) if saved_world != self.world_size else None
+                _restore(target, loaded.pop(name), owned=step not in staged, current=current)
             del loaded
-            self.restored_from = ", ".join(sources)
+            self.restored_from = ", ".join(name for name, n in sources.items() if n)
+            self.restored_bytes = sources
             if saved_world != self.world_size:
                 self.restored_from += f", resharded from {saved_world} ranks"
             if step in staged:
@@ -320,13 +325,13 @@ class AsyncCheckpointer:
             if data is not None:
                 where = f"peer memory (node {meta['replica_from']})" \
                     if meta.get("replica_from") else "shared memory"
-                sources[where] = sources.get(where, 0) + 1
+                sources[where] = sources.get(where, 0) + meta["nbytes"]
                 return meta, data
         try:
             meta, data = shards.read(self.storage, step, rank)
         except shards.ShardError as e:
             raise CheckpointError(str(e)) from None
-        sources["storage"] = sources.get("storage", 0) + 1
+        sources["storage"] = sources.get("storage", 0) + meta["nbytes"]
         return meta, data
 
     def _read(self, step: int, memory: dict, sources: dict[str, int],
@@ -340,20 +345,148 @@ class AsyncCheckpointer:
 
     def _read_resharded(self, step: int, saved_world: int, memory: dict,
                         sources: dict[str, int]) -> dict[str, Any]:
-        """A step saved by another world size: every saved rank's shard (from memory where
-        this node holds it, else storage), its sharded tensors to be cut to this rank's
-        layout on restore."""
+        """A step saved by another world size: every saved rank's tree, its tensors read
+        lazily (``_Lazy``: only the byte ranges this rank's new shards overlap are read,
+        from memory where this node holds the shard, else storage), its sharded tensors to
+        be cut to this rank's layout."""
         trees, saves = [], set()
         for r in range(saved_world):
-            meta, data = self._shard(step, saved_world, r, memory, sources)
-            saves.add((meta.get("world_size"), meta.get("history")))
-            trees.append(_decode(meta["tree"], [_tensor(data, e) for e in meta["tensors"]]))
+            source = self._source(step, saved_world, r, memory, sources)
+            saves.add((source.meta.get("world_size"), source.meta.get("history")))
+            trees.append(_decode(source.meta["tree"],
+                                 [_Lazy(source, e) for e in source.meta["tensors"]]))
         if len(saves) > 1:  # e.g. a shard left by a world that went back before committing
             raise CheckpointError(f"step {step}: its shards come from different saves")
-        log.info("rank %d restores step %d saved by %d ranks (resharding; %s)", self.rank,
-                 step, saved_world, sources)
+        log.info("rank %d restores step %d saved by %d ranks (resharding)", self.rank, step,
+                 saved_world)
         loaded: dict[str, Any] = _with_chunks(trees, self.rank if self.rank < saved_world else 0)
         return loaded
+
+    def _source(self, step: int, world: int, rank: int, memory: dict,
+                sources: dict[str, int]) -> _Source:
+        if (world, rank, step) in memory:
+            path, meta = memory[(world, rank, step)]
+            return _Source(meta, sources, path=path)
+        try:
+            return _Source(shards.read_meta(self.storage, step, rank), sources,
+                           storage=self.storage)
+        except shards.ShardError as e:
+            raise CheckpointError(str(e)) from None
+
+
+class _Source:
+    """Where one saved rank's shard is read from, a byte range at a time: this node's
+    shared memory (a staging slot or a peer's copy; its save re-checked after each read)
+    or storage (read and verified in whole blocks, each block once). ``sources`` counts
+    the bytes read from each."""
+
+    def __init__(self, meta: dict[str, Any], sources: dict[str, int], *,
+                 path: Path | None = None, storage: Any = None):
+        self.meta, self._sources, self._path, self._storage = meta, sources, path, storage
+        self._blocks: dict[int, bytes | bytearray] = {}  # verified blocks read from storage
+        if path is None:
+            self.name = "storage"
+        elif meta.get("replica_from"):
+            self.name = f"peer memory (node {meta['replica_from']})"
+        else:
+            self.name = "shared memory"
+        sources.setdefault(self.name, 0)
+
+    def read(self, offset: int, nbytes: int) -> bytes | bytearray:
+        if not 0 <= offset <= offset + nbytes <= self.meta["nbytes"]:
+            raise CheckpointError(f"rank {self.meta['rank']}'s step {self.meta['step']}: a "
+                                  "tensor outside its shard")
+        if self._path is None:
+            return self._from_storage(offset, nbytes)
+        self._sources[self.name] += nbytes
+        data = bytearray(nbytes)
+        with open(self._path.with_suffix(".data"), "rb", buffering=0) as f:
+            f.seek(offset)
+            if f.readinto(data) != nbytes:
+                data = bytearray()
+        again = _read_meta(self._path)
+        if len(data) != nbytes or again is None or again.get("save_id") != self.meta["save_id"]:
+            raise CheckpointError(f"rank {self.meta['rank']}'s step {self.meta['step']} in "
+                                  "shared memory was overwritten while it was read")
+        return data
+
+
+    def _from_storage(self, offset: int, nbytes: int) -> bytes | bytearray:
+        if nbytes == 0:
+            return bytearray()
+        block = shards.block_size(self.meta)
+        first, last = offset // block, (offset + nbytes - 1) // block
+        wanted = [i for i in range(first, last + 1) if i not in self._blocks]
+        while wanted:  # one ranged read per run of blocks not read yet
+            run = 1
+            while run < len(wanted) and wanted[run] == wanted[0] + run:
+                run += 1
+            try:
+                data = shards.read_blocks(self._storage, self.meta, wanted[0], run)
+            except shards.ShardError as e:
+                raise CheckpointError(str(e)) from None
+            self._sources[self.name] += len(data)
+            for k in range(run):
+                self._blocks[wanted[k]] = data[k * block:(k + 1) * block]
+            wanted = wanted[run:]
+        if first == last:
+            skip = offset - first * block
+            return self._blocks[first][skip:skip + nbytes]
+        joined = b"".join(self._blocks[i] for i in range(first, last + 1))
+        return joined[offset - first * block:offset - first * block + nbytes]
+
+
+@dataclass
+class _Lazy:
+    """A saved tensor not read yet: ``rows`` reads only a slice along its first dimension."""
+
+    source: _Source
+    entry: dict[str, Any]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.entry["shape"])
+
+    def rows(self, start: int, count: int) -> torch.Tensor:
+        dtype = getattr(torch, self.entry["dtype"])
+        shape = self.shape
+        if not shape:
+            data = self.source.read(self.entry["offset"], self.entry["nbytes"])
+            return _tensor(bytearray(data), {**self.entry, "offset": 0})
+        row = self.entry["nbytes"] // shape[0] if shape[0] else 0
+        data = self.source.read(self.entry["offset"] + start * row, count * row)
+        if not data:
+            return torch.empty((count, *shape[1:]), dtype=dtype)
+        return torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data),
+                                dtype=dtype).reshape(count, *shape[1:])
+
+    def whole(self) -> torch.Tensor:
+        return self.rows(0, self.shape[0]) if self.shape else self.rows(0, 1)
+
+
+def _prefetch(value: Any, current: Any) -> Any:
+    """``value`` with every ``_Lazy`` read: a sharded tensor's new local part cut from the
+    byte ranges of the saved parts it overlaps, anything else whole."""
+    if isinstance(value, _Shard):
+        dtensor = _dtensor_type()
+        if value.chunks is not None and dtensor is not None and isinstance(current, dtensor):
+            return _Shard(value.local, value.box, assembled=_assemble(value, current))
+        return _Shard(_prefetch(value.local, None), value.box)
+    if isinstance(value, _Lazy):
+        return value.whole()
+    if isinstance(value, dict):
+        current = current if isinstance(current, dict) else {}
+        return {k: _prefetch(v, current.get(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        same = isinstance(current, (list, tuple)) and len(current) == len(value)
+        items = [_prefetch(v, current[i] if same else None) for i, v in enumerate(value)]
+        return tuple(items) if isinstance(value, tuple) else items
+    return value
+
+
+def _current(target: Any) -> Any:
+    """What a target holds now (its state dict), to fit a loaded state to."""
+    return target.state_dict() if hasattr(target, "load_state_dict") else dict(target)
 
 
 def _whole_in_memory(memory: dict[tuple[int, int, int], Any]) -> dict[int, int]:
@@ -539,9 +672,10 @@ class _Shard:
     """A rank's part of a DTensor, until it is matched with the target's layout; loaded on
     another world size or layout, with every saved rank's part (``chunks``) to cut from."""
 
-    local: torch.Tensor
+    local: Any  # a tensor, or a _Lazy one not read yet
     box: Box | None = None  # where ``local`` sits in the global tensor (saved since #13)
-    chunks: list[tuple[Box, torch.Tensor]] | None = None
+    chunks: list[tuple[Box, Any]] | None = None
+    assembled: torch.Tensor | None = None  # the target's new local part, cut from chunks
 
 
 def _chunk_box(dtensor: Any) -> Box:
@@ -562,13 +696,24 @@ def _assemble(shard: _Shard, current: Any) -> torch.Tensor:
     assert shard.chunks is not None
     distinct = list({box: (box, t) for box, t in reversed(shard.chunks)}.values())
     wanted = _chunk_box(current)  # ^ a replicated mesh dimension saved each chunk twice
-    local = torch.empty(wanted.shape, dtype=shard.local.dtype)
+    dtype = getattr(torch, shard.local.entry["dtype"]) if isinstance(shard.local, _Lazy) \
+        else shard.local.dtype
+    local = torch.empty(wanted.shape, dtype=dtype)
     try:
         pieces = reshard.plan([(i, box) for i, (box, _) in enumerate(distinct)], wanted)
     except ValueError as e:
         raise CheckpointError(f"cannot reshard a saved tensor: {e}") from None
     for piece in pieces:
-        _region(local, piece.dst).copy_(_region(distinct[piece.source][1], piece.src))
+        saved = distinct[piece.source][1]
+        if isinstance(saved, _Lazy):  # read only the rows of the saved part it needs
+            first, count = (piece.src.offset[0], piece.src.shape[0]) if piece.src.shape \
+                else (0, 1)
+            rows = saved.rows(first, count) if piece.src.shape else saved.whole()
+            src = Box((0, *piece.src.offset[1:]), piece.src.shape) if piece.src.shape \
+                else piece.src
+            _region(local, piece.dst).copy_(_region(rows, src))
+        else:
+            _region(local, piece.dst).copy_(_region(saved, piece.src))
     return local
 
 
@@ -601,7 +746,7 @@ def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
                           "lists and plain values (or an object with state_dict())")
 
 
-def _decode(value: Any, tensors: list[torch.Tensor]) -> Any:
+def _decode(value: Any, tensors: list[Any]) -> Any:
     if isinstance(value, dict):
         if "__t__" in value:
             t = tensors[value["__t__"]]
@@ -624,8 +769,10 @@ def _rebuild(value: Any, current: Any, owned: bool) -> Any:
     Shards become DTensors laid out like the target's."""
     if isinstance(value, _Shard):
         dtensor = _dtensor_type()
-        if dtensor is not None and isinstance(current, dtensor) and value.chunks is not None:
-            return dtensor.from_local(_assemble(value, current).to(current.device),
+        if dtensor is not None and isinstance(current, dtensor) and (
+                value.assembled is not None or value.chunks is not None):
+            local = value.assembled if value.assembled is not None else _assemble(value, current)
+            return dtensor.from_local(local.to(current.device),
                                       current.device_mesh, current.placements,
                                       run_check=False, shape=current.shape,
                                       stride=current.stride())
@@ -653,11 +800,13 @@ def _rebuild(value: Any, current: Any, owned: bool) -> Any:
     return value
 
 
-def _restore(target: Any, value: Any, owned: bool) -> None:
+def _restore(target: Any, value: Any, owned: bool, current: Any = None) -> None:
+    """``current``: the target's state dict, if the caller has it already."""
     if hasattr(target, "load_state_dict"):
-        target.load_state_dict(_rebuild(value, target.state_dict(), owned))
+        state = current if current is not None else target.state_dict()
+        target.load_state_dict(_rebuild(value, state, owned))
     elif isinstance(target, dict):
-        rebuilt = _rebuild(value, dict(target), owned)
+        rebuilt = _rebuild(value, current if current is not None else dict(target), owned)
         target.clear()
         target.update(rebuilt)
     else:
