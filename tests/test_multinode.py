@@ -227,7 +227,7 @@ def test_a_hot_spare_restores_a_lost_nodes_ranks_from_a_peers_memory(tmp_path, l
     """FSDP2 on 3 loopback nodes and a spare beyond --nnodes MAX: a node is lost -> the spare
     takes its ranks, which restore from the copy a peer keeps in memory (no shard read from
     storage); the final weights equal those of a run without the fault."""
-    args = [*_train_args(tmp_path, steps=90), "--async-ckpt", "--fsdp", "--step-time", "0.05"]
+    args = [*_train_args(tmp_path, steps=60), "--async-ckpt", "--fsdp", "--step-time", "0.05"]
     port = _free_port()
     nodes = [_node(launch, port, "2:3", *args, extra=["--no-warm-pool"])]
     _wait_listening(port)
@@ -247,12 +247,12 @@ def test_a_hot_spare_restores_a_lost_nodes_ranks_from_a_peers_memory(tmp_path, l
         assert run.finish() == 0, run.output
     spare_events = (tmp_path / "events").read_text() if (tmp_path / "events").exists() else ""
     faulted = json.loads((tmp_path / "out.json").read_text())
-    assert faulted["restart_count"] == 1 and faulted["final_step"] == 90
+    assert faulted["restart_count"] == 1 and faulted["final_step"] == 60
 
     clean = tmp_path / "clean"
     clean.mkdir()
     reference = launch("--standalone", "--nproc-per-node", "3", "--no-warm-pool",
-                       *_train_args(clean, steps=90), "--async-ckpt", "--fsdp",
+                       *_train_args(clean, steps=60), "--async-ckpt", "--fsdp",
                        "--step-time", "0")
     assert reference.finish() == 0, reference.output
     assert json.loads((clean / "out.json").read_text())["weights_sha256"] == \

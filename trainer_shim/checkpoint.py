@@ -11,6 +11,7 @@ replacement rank on the same node restores from shared memory without touching s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -113,6 +114,19 @@ class AsyncCheckpointer:
             assert slot.buffer is not None  # ensured above
             self._size_in_background(index ^ 1, len(slot.buffer))
 
+    def reserve(self, **state: Any) -> None:
+        """Size both staging slots for saves of ``state`` in the background (``load_latest``
+        does it for the state it restores): the first save then only copies, instead of
+        also allocating and mapping staging memory."""
+        tensors: list[torch.Tensor] = []
+        _encode({k: _state_of(v) for k, v in state.items()}, tensors)
+        nbytes = sum(_aligned(t.numel() * t.element_size()) for t in tensors)
+        for index, slot in enumerate(self._slots):
+            busy = self._busy[index]
+            if (busy is None or busy.is_set()) and (slot.buffer is None
+                                                     or len(slot.buffer) < nbytes):
+                self._size_in_background(index, nbytes)
+
     def wait(self) -> None:
         """Block until every save so far is durable; raises the writer's error if any."""
         if self._writer is not None:
@@ -136,12 +150,15 @@ class AsyncCheckpointer:
         self._writer.start()
 
     def _size_in_background(self, index: int, nbytes: int) -> None:
-        """Allocate and map the other slot off the training path: the first save into it
-        then blocks only for the copy, like every later one."""
+        """Allocate and map a slot off the training path: the first save into it then
+        blocks only for the copy, like every later one. Sizings run one after another."""
         self._busy[index] = ready = threading.Event()
+        previous = self._sizer
 
         def size() -> None:
             try:
+                if previous is not None:
+                    previous.join()
                 self._slots[index].ensure(nbytes)
             except OSError:
                 pass  # no room: the save into it reports that, clearly
@@ -253,6 +270,7 @@ class AsyncCheckpointer:
         while True:
             step = _agree(candidates) if group else max(candidates, default=None)
             if step is None:
+                self._reserve_quietly(state)
                 return 0
             same = step in staged or step in own
             saved_world = self.world_size if same else worlds[step]
@@ -295,7 +313,14 @@ class AsyncCheckpointer:
                     meta = self._slots[staged[step]].meta()
                     assert meta is not None  # staged: sealed with its meta
                     self._persist_in_background(staged[step], meta)
+            self._reserve_quietly(state)
             return step
+
+    def _reserve_quietly(self, state: dict[str, Any]) -> None:
+        """Staging for the saves to come, sized from the state just restored (a fresh
+        optimizer has no state yet: the first save then grows it)."""
+        with contextlib.suppress(CheckpointError):  # what cannot be saved, save() reports
+            self.reserve(**state)
 
     def _history_of(self, step: int, slot: int | None, memory: dict) -> Any:
         if slot is not None:
