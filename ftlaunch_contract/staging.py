@@ -51,9 +51,12 @@ class Slot:
         self._anonymous_meta: dict[str, Any] | None = None
         self.before_unmap: Callable[[mmap.mmap], None] | None = None  # e.g. un-pin from CUDA
 
-    def ensure(self, nbytes: int) -> None:
+    def ensure(self, nbytes: int, populate: bool = True) -> None:
         """Map at least ``nbytes``; the space is reserved up front (posix_fallocate), so a
-        full /dev/shm is a clear error here, never a SIGBUS in the middle of a copy."""
+        full /dev/shm is a clear error here, never a SIGBUS in the middle of a copy.
+        ``populate=False``: only sized and mapped; the caller reserves each part with
+        ``reserve`` before writing it (a copy arriving over the network then allocates
+        memory as it arrives, instead of before)."""
         nbytes = max(nbytes, 1)
         if self._fd < 0:
             if self._named:
@@ -66,20 +69,27 @@ class Slot:
             return
         if size < nbytes:
             self.close_buffer()
-            try:
-                os.posix_fallocate(self._fd, 0, nbytes)
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    free = _free_bytes(self._fd)
-                    raise StagingFull(e.errno, f"staging a checkpoint needs {_gib(nbytes)} more "
-                                      f"in {self._data_path.parent if self._named else self._anonymous_dir}"
-                                      f" but {_gib(free)} is free: enlarge /dev/shm (docker "
-                                      "--shm-size, a Kubernetes emptyDir with medium Memory) or "
-                                      "save less state per rank") from None
-                raise
+            if populate:
+                self.reserve(0, nbytes)
+            else:
+                os.ftruncate(self._fd, nbytes)
             size = nbytes
         self.close_buffer()
-        self.buffer = _map(self._fd, size)
+        self.buffer = _map(self._fd, size, populate)
+
+    def reserve(self, offset: int, nbytes: int) -> None:
+        """Allocate this part of the slot (StagingFull when the file system is full)."""
+        try:
+            os.posix_fallocate(self._fd, offset, nbytes)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                free = _free_bytes(self._fd)
+                raise StagingFull(e.errno, f"staging a checkpoint needs {_gib(nbytes)} more "
+                                  f"in {self._data_path.parent if self._named else self._anonymous_dir}"
+                                  f" but {_gib(free)} is free: enlarge /dev/shm (docker "
+                                  "--shm-size, a Kubernetes emptyDir with medium Memory) or "
+                                  "save less state per rank") from None
+            raise
 
     def meta(self) -> dict[str, Any] | None:
         """What this slot holds, if it holds a whole save (named slots only)."""
@@ -130,9 +140,10 @@ class Slot:
             self._fd = -1
 
 
-def _map(fd: int, size: int) -> mmap.mmap:
+def _map(fd: int, size: int, populate: bool = True) -> mmap.mmap:
     """Shared, with every page mapped up front (MAP_POPULATE): no page fault mid-copy."""
-    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (
+        getattr(mmap, "MAP_POPULATE", 0) if populate else 0))
 
 
 def create_dir() -> Path:

@@ -195,6 +195,7 @@ class ReplicaService:
         self._batches: dict[int, list[int]] = {}  # batch -> [left, pulled, failed]
         self._batch_started: dict[int, float] = {}
         self._lock = threading.Lock()
+        self._closing = threading.Event()  # a transfer under way gives up at once
         self._news: queue.SimpleQueue[News] = queue.SimpleQueue()
         self.fd, self._wake_fd = os.pipe()
         os.set_blocking(self.fd, False)
@@ -253,6 +254,7 @@ class ReplicaService:
                 return out
 
     def close(self) -> None:
+        self._closing.set()
         self._stop.send(b"")
         self._jobs.put(_Job(-1, -1, Held(0, 0, 0), Peer("", "", 0), "stop"))
         for t in self._threads:
@@ -333,7 +335,7 @@ class ReplicaService:
                     nbytes = self._pull(job, sockets)
                     news: News = Transferred(job.held, job.source.node_id, job.purpose,
                                              nbytes, time.monotonic() - started)
-                except (TransferError, StagingFull, OSError) as e:
+                except (TransferError, StagingFull, OSError, zmq.ZMQError) as e:
                     for key in [k for k, s in sockets.items() if k == (job.source.addr,
                                                                          job.source.port)]:
                         sockets.pop(key).close()  # drop replies still in flight
@@ -374,7 +376,7 @@ class ReplicaService:
             return int(meta["nbytes"])  # holds it already
         slot.invalidate()
         try:
-            slot.ensure(meta["nbytes"])
+            slot.ensure(meta["nbytes"], populate=False)  # memory allocated as chunks arrive
             assert slot.buffer is not None
             offsets = list(range(0, meta["nbytes"], CHUNK))
             pending: dict[str, int] = {}
@@ -382,7 +384,9 @@ class ReplicaService:
             while offsets or pending:
                 while offsets and len(pending) < WINDOW:
                     if job.purpose == "replica" and self._bandwidth > 0:
-                        time.sleep(max(0.0, send_at - time.monotonic()))
+                        self._closing.wait(max(0.0, send_at - time.monotonic()))
+                    if self._closing.is_set():
+                        raise TransferError("the agent is shutting down")
                     offset = offsets.pop(0)
                     size = min(CHUNK, meta["nbytes"] - offset)
                     send_at = max(send_at, time.monotonic()) + size / (self._bandwidth or 1e18)
@@ -395,6 +399,7 @@ class ReplicaService:
                 offset = pending.pop(header["nonce"])
                 if len(data) != min(CHUNK, meta["nbytes"] - offset):
                     raise TransferError("a chunk of the wrong size")
+                slot.reserve(offset, len(data))  # full /dev/shm: StagingFull, never SIGBUS
                 slot.buffer[offset:offset + len(data)] = data
             slot.seal({**meta, "replica_from": job.source.node_id})
             return int(meta["nbytes"])
@@ -407,8 +412,12 @@ class ReplicaService:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+            if self._closing.is_set():
+                raise TransferError("the agent is shutting down")
+            if left <= 0:
                 raise TransferError(f"no reply within {timeout:g}s")
+            if not sock.poll(int(min(left, 0.1) * 1000) + 1):
+                continue
             try:
                 header, data = self._wire.unpack(sock.recv_multipart(copy=False))
             except TransferError as e:

@@ -14,9 +14,11 @@ it) and persisted. Node A is then "lost"; a replacement node B restores that ran
                   and moto)
 
 Each path runs --reps times, alternating; medians. Times are to "state restored into the
-model's tensors". Also printed: the replica pull alone, and while a replica streams at
---bandwidth MB/s, how much a CPU-bound loop beside it slows down (the training cost of
-keeping replicas; one save a minute spreads the same bytes over 60 s).
+replacement's model" (its tensors built and initialised, as a script does before
+load_latest). Node A's replica service runs in its own process, as on another node. Also
+printed: the replica pull alone, and how much a training-like loop (one thread of small
+matmuls, in its own process: a rank) slows down while a replica streams beside it at
+--bandwidth MB/s (default: one shard a minute, i.e. one save a minute).
 
     python scripts/bench_replicas.py --gib 1 --reps 3
 """
@@ -40,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ftlaunch_contract.messages import Held, Peer  # noqa: E402
-from launcher.replica_service import FetchDone, ReplicaService, Transferred  # noqa: E402
+from launcher.replica_service import FetchDone, ReplicaService  # noqa: E402
 from trainer_shim.checkpoint import AsyncCheckpointer  # noqa: E402
 
 SECRET = b"bench-secret-0123456789abcdef"
@@ -72,7 +74,7 @@ def wait_news(service, kind, timeout=600.0):
 
 
 def restore(uri: str, staging: str | None, like: dict[str, torch.Tensor]) -> tuple[float, str]:
-    target = {k: torch.empty_like(v) for k, v in like.items()}  # the replacement's model
+    target = {k: torch.zeros_like(v) for k, v in like.items()}  # the replacement's model
     t0 = time.perf_counter()
     ckpt = AsyncCheckpointer(uri, rank=0, world_size=1, staging_dir=staging)
     step = ckpt.load_latest(state=target)
@@ -91,12 +93,13 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir "
                         "on the local disk)")
     parser.add_argument("--s3", action="store_true", help="also restore from a local moto S3")
-    parser.add_argument("--bandwidth", type=float, default=1000.0,
-                        help="MB/s cap for the slowdown measurement")
+    parser.add_argument("--bandwidth", type=float, default=0.0,
+                        help="MB/s cap for the slowdown measurement (default: --gib per minute)")
     args = parser.parse_args()
 
     state = make_state(args.gib)
     nbytes = sum(t.numel() * 4 for t in state.values())
+    bandwidth = args.bandwidth or nbytes / 60 / 1e6
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench-replicas-", dir=os.getcwd()))
     shm = Path(tempfile.mkdtemp(prefix="bench-replicas-", dir="/dev/shm"))
     context = zmq.Context()
@@ -109,7 +112,7 @@ def main() -> None:
         saver = AsyncCheckpointer(uri, rank=0, world_size=1, staging_dir=str(node_a))
         saver.save(7, state=state)
         saver.close()
-        a = ReplicaService(context, SECRET, "a", "127.0.0.1", node_a)
+        a = NodeProcess(node_a)
         s3_uri = None
         if args.s3:
             server, s3_uri = start_s3(shm, state)
@@ -120,7 +123,7 @@ def main() -> None:
             node_b.mkdir()
             b = ReplicaService(context, SECRET, "b", "127.0.0.1", node_b)
             t0 = time.perf_counter()
-            b.fetch([(Held(1, 0, 7), Peer("a", "127.0.0.1", a.port))])
+            b.fetch([(Held(1, 0, 7), a.peer)])
             done = wait_news(b, FetchDone)
             pulled = time.perf_counter() - t0
             assert done.pulled == 1, done
@@ -135,7 +138,7 @@ def main() -> None:
             if s3_uri:
                 seconds, sources["S3"] = restore(s3_uri, None, state)
                 results["S3"].append(seconds)
-        slowdown = replica_slowdown(context, a, shm, args.bandwidth * 1e6)
+        slowdown = replica_slowdown(context, a, shm, bandwidth * 1e6)
         a.close()
     finally:
         context.term()
@@ -153,30 +156,71 @@ def main() -> None:
     base = statistics.median(results["local disk"])
     print(f"peer memory vs local disk: {statistics.median(results['peer memory']) / base:.2f}x "
           "the time")
-    print(f"CPU-bound loop beside a replica streaming at {args.bandwidth:g} MB/s: "
-          f"{slowdown:+.1%} slower (one save a minute spreads it over 60 s)")
+    print(f"a rank's loop while a replica streams beside it at {bandwidth:.1f} MB/s: "
+          f"{slowdown:+.1%} slower")
 
 
-def replica_slowdown(context, a: ReplicaService, shm: Path, bandwidth: float) -> float:
-    """How much slower a loop of small matmuls runs while one replica streams."""
-    x = torch.randn(256, 256)
+LOOP = """
+import sys, time, torch
+torch.set_num_threads(1)
+x = torch.randn(256, 256)
+n, end = 0, time.perf_counter() + float(sys.argv[1])
+while time.perf_counter() < end:
+    x @ x
+    n += 1
+print(n)
+"""
 
-    def loop(seconds: float) -> float:
-        n, end = 0, time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            x @ x
-            n += 1
-        return n / seconds
 
-    quiet = loop(2.0)
+def loop_rate(seconds: float) -> float:
+    """Iterations/s of a training-like loop in its own process (a rank)."""
+    out = subprocess.run([sys.executable, "-c", LOOP, str(seconds)], capture_output=True,
+                         text=True, check=True)
+    return int(out.stdout) / seconds
+
+
+def replica_slowdown(context, a: NodeProcess, shm: Path, bandwidth: float) -> float:
+    """How much slower a rank's loop runs while node A's shard streams to node C."""
+    quiet = loop_rate(3.0)
     node_c = shm / "c"
     node_c.mkdir()
     c = ReplicaService(context, SECRET, "c", "127.0.0.1", node_c, bandwidth=bandwidth)
-    a.offer(Held(1, 0, 7), (Peer("c", "127.0.0.1", c.port),))
-    busy = loop(2.0)
-    wait_news(c, Transferred)
-    c.close()
+    a.offer(Peer("c", "127.0.0.1", c.port))
+    busy = loop_rate(3.0)
+    c.close()  # the rest of the transfer is not measured
     return quiet / busy - 1
+
+
+NODE = """
+import sys, zmq
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from ftlaunch_contract.messages import Held, Peer
+from launcher.replica_service import ReplicaService
+service = ReplicaService(zmq.Context(), sys.argv[2].encode(), "a", "127.0.0.1", Path(sys.argv[3]))
+print(service.port, flush=True)
+for line in sys.stdin:  # "offer PORT": offer the shard to that peer
+    service.offer(Held(1, 0, 7), (Peer("c", "127.0.0.1", int(line.split()[1])),))
+service.close()
+"""
+
+
+class NodeProcess:
+    """Node A's replica service, in its own process (as on another node)."""
+
+    def __init__(self, directory: Path):
+        self.proc = subprocess.Popen([sys.executable, "-c", NODE, str(ROOT), SECRET.decode(),
+                                      str(directory)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.peer = Peer("a", "127.0.0.1", int(self.proc.stdout.readline()))
+
+    def offer(self, to: Peer) -> None:
+        self.proc.stdin.write(f"offer {to.port}\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
 
 
 def start_s3(shm: Path, state: dict[str, torch.Tensor]) -> tuple[subprocess.Popen, str]:

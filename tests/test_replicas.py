@@ -256,3 +256,21 @@ def test_full_shared_memory_degrades_to_no_replica(nodes, small_tmpfs):
     finally:
         b.close()
         context.term()
+
+
+def test_closing_a_service_mid_transfer_gives_up_at_once(nodes, tmp_path):
+    """An agent that exits while a peer's shard streams in (capped slow) stops the transfer
+    and leaves no thread behind and no copy sealed."""
+    (a, a_dir), (b, _) = nodes("a"), nodes("b", bandwidth=1 << 20)  # 8 s for this shard
+    stage(a_dir, 0, 3, os.urandom(8 << 20))
+    a.offer(Held(6, 0, 3), (as_peer(b),))
+    deadline = time.monotonic() + 10
+    while not (b.shards.replicas_dir / "rank_0.0.data").exists():  # the pull has begun
+        assert time.monotonic() < deadline, "the transfer never started"
+        time.sleep(0.01)  # a file another thread creates: no event to wait on
+    started = time.monotonic()
+    b.close()
+    assert time.monotonic() - started < 5, "close waited for the transfer"  # hang guard
+    assert not any(t.is_alive() for t in b._threads)
+    assert b.shards.inventory() == ()
+    b.close = lambda: None  # closed: the fixture's teardown has nothing left to do

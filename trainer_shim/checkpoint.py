@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import sys
 import threading
@@ -73,6 +74,7 @@ class AsyncCheckpointer:
         self._error: BaseException | None = None
         self.restored_from = "nothing"  # by load_latest: "shared memory" or "storage"
         self.restored_bytes: dict[str, int] = {}  # by load_latest: bytes read, by source
+        self._mapped: list[tuple[Path, dict[str, Any], Any]] = []  # during load_latest
         this = weakref.ref(self)  # a script that never calls close() still gets its saves
 
         def close_if_alive() -> None:
@@ -297,12 +299,15 @@ class AsyncCheckpointer:
                                 "went back before committing it); taking an older one", step)
                     loaded = None
             if loaded is None:
+                self._unmap(check=False)
                 candidates = {s for s in candidates if s < step}
                 continue
+            owned = step not in staged and not self._mapped  # else views: copied out
             for name, target in state.items():  # staged views must not outlive this
                 current = currents.get(name) if saved_world != self.world_size else None
-                _restore(target, loaded.pop(name), owned=step not in staged, current=current)
+                _restore(target, loaded.pop(name), owned=owned, current=current)
             del loaded
+            self._unmap(check=True)
             self.restored_from = ", ".join(name for name, n in sources.items() if n)
             self.restored_bytes = sources
             if saved_world != self.world_size:
@@ -321,6 +326,19 @@ class AsyncCheckpointer:
         optimizer has no state yet: the first save then grows it)."""
         with contextlib.suppress(CheckpointError):  # what cannot be saved, save() reports
             self.reserve(**state)
+
+    def _unmap(self, check: bool) -> None:
+        """Close the shards mapped from memory; ``check``: they were restored from, so each
+        must still hold the save it held (a slot is re-sealed before it is reused)."""
+        mapped, self._mapped = self._mapped, []
+        for path, meta, data in mapped:
+            if isinstance(data, mmap.mmap):
+                with contextlib.suppress(BufferError):  # a view still alive: unmapped by GC
+                    data.close()
+            again = _read_meta(path) if check else meta
+            if again is None or again.get("save_id") != meta.get("save_id"):
+                raise CheckpointError(f"rank {meta['rank']}'s step {meta['step']} in shared "
+                                      "memory was overwritten while it was restored")
 
     def _history_of(self, step: int, slot: int | None, memory: dict) -> Any:
         if slot is not None:
@@ -341,13 +359,15 @@ class AsyncCheckpointer:
         return _decode(meta["tree"], tensors)
 
     def _shard(self, step: int, world: int, rank: int, memory: dict,
-               sources: dict[str, int]) -> tuple[dict[str, Any], bytearray]:
-        """One saved rank's shard: from this node's memory if it holds it, else storage
-        (verified against its checksum); ``sources`` counts where each came from."""
+               sources: dict[str, int]) -> tuple[dict[str, Any], Any]:
+        """One saved rank's shard: from this node's memory if it holds it (mapped), else
+        storage (read, verified against its checksum); ``sources`` counts where each came
+        from."""
         if (world, rank, step) in memory:
             path, meta = memory[(world, rank, step)]
-            data = _read_copy(path, meta)
+            data = _map_copy(path, meta)
             if data is not None:
+                self._mapped.append((path, meta, data))  # checked and closed once restored
                 where = f"peer memory (node {meta['replica_from']})" \
                     if meta.get("replica_from") else "shared memory"
                 sources[where] = sources.get(where, 0) + meta["nbytes"]
@@ -533,18 +553,22 @@ def _read_meta(path: Path) -> dict[str, Any] | None:
     return meta
 
 
-def _read_copy(meta_path: Path, meta: dict[str, Any]) -> bytearray | None:
-    """A shard's bytes from shared memory, or None if its slot was overwritten meanwhile
-    (a meta is removed before its data is)."""
-    data = bytearray(meta["nbytes"])
+def _map_copy(meta_path: Path, meta: dict[str, Any]) -> Any:
+    """A shard's bytes in shared memory, mapped (nothing is copied until restored into
+    the target), or None if its slot holds another save by now."""
+    if not meta["nbytes"]:
+        return bytearray()
     try:
-        with open(meta_path.with_suffix(".data"), "rb") as f:
-            if f.readinto(data) != len(data):
-                return None
-    except OSError:
+        with open(meta_path.with_suffix(".data"), "r+b") as f:  # shared, populated: no
+            mapped = mmap.mmap(f.fileno(), meta["nbytes"],  # page faults (nothing writes it)
+                               flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    except (OSError, ValueError):
         return None
     again = _read_meta(meta_path)
-    return data if again is not None and again.get("save_id") == meta.get("save_id") else None
+    if again is None or again.get("save_id") != meta.get("save_id"):
+        mapped.close()
+        return None
+    return mapped
 
 
 def _with_chunks(trees: list[Any], own: int) -> Any:
