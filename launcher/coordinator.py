@@ -333,9 +333,14 @@ class Coordinator:
             fetch = tuple(Fetch(h.world_size, h.rank, h.step, *peer(src))
                           for h, src in plan.get(a.node_id, []))
             out[a.node_id] = (tuple(p for p in holders if p.port), fetch)
+        held = {n: s.held.get(n, ()) for n in s.round_joined}
         if plan:
             log.info("restoring from peers' memory: %s", {n: [(h.rank, h.step, src) for h, src in pulls]
                                                         for n, pulls in plan.items()})
+        elif any(held.values()) and replica_plan.newest_in_memory(held) is None:
+            log.warning("no checkpoint step is whole in the memory of the %d nodes joined (a "
+                        "node and the peer keeping its copies lost together?): the ranks "
+                        "restore from storage", len(held))
         return out
 
     def _broadcast_round(self, msg: Body) -> None:

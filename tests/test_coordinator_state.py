@@ -123,3 +123,36 @@ class CoordinatorMachine(RuleBasedStateMachine):
 CoordinatorMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,
                                                 deadline=None)
 TestCoordinatorStateMachine = CoordinatorMachine.TestCase
+
+
+def _round(held_by_node, caplog):
+    """Two nodes join with these shards in memory; the round closes at MAX: their assigns."""
+    import logging
+
+    socket = CapturingSocket()
+    state = JobState(min_nodes=2, max_nodes=2, max_restarts=2, policy="rank", backoff=1.0,
+                     backoff_max=4.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=1.0, join_timeout=60.0, host_node="a", joining_since=0.0,
+                     replicas=1)
+    coordinator = Coordinator(socket, SECRET, state)
+    with caplog.at_level(logging.INFO, logger="ftlaunch.coordinator"):
+        for i, (node, held) in enumerate(held_by_node.items()):
+            coordinator._handle(node.encode(), Envelope(0, CONTROL["join"](
+                node_id=node, local_world_size=1, addr=f"10.0.0.{i + 1}", standby_port=4000,
+                rank_hint=-1, replica_port=4100 + i, held=tuple(held))), 1.0)
+        coordinator._tick(1.1)
+    return {to.decode(): m.body for to, m in socket.sent if isinstance(m.body, Assign)}
+
+
+def test_a_replacement_is_told_to_pull_its_shards_from_the_peer_holding_them(caplog):
+    assigns = _round({"a": [Held(2, 0, 40), Held(2, 1, 40)], "spare": []}, caplog)
+    assert assigns["a"].replicate_to[0].node_id == "spare"  # the ring: each keeps the other's
+    assert [(f.rank, f.step, f.node_id, f.port) for f in assigns["spare"].fetch] == \
+        [(1, 40, "a", 4100)]
+    assert assigns["a"].fetch == ()
+
+
+def test_both_copies_lost_is_said_and_the_ranks_restore_from_storage(caplog):
+    assigns = _round({"a": [Held(3, 0, 40)], "b": [Held(3, 1, 40)]}, caplog)  # rank 2: gone
+    assert assigns["a"].fetch == assigns["b"].fetch == ()
+    assert "no checkpoint step is whole in the memory of the 2 nodes" in caplog.text
