@@ -156,6 +156,8 @@ class Agent:
                 self._on_recover(msg)
             case messages.Committed(step=step):
                 self.committed_step = step
+                if self.assignment is not None:  # older worlds' copies: obsolete now
+                    self.replicas.forget_other_worlds(self.assignment.world_size)
                 self.events.emit("checkpoint_committed", f"checkpoint step {step} committed "
                                  "(every rank's shard durable)", console=False, step=step)
                 for rank in self.workers.alive():

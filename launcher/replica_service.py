@@ -154,6 +154,14 @@ class MemoryShards:
             raise TransferError(f"{_name(held)} was overwritten during the transfer")
         return data
 
+    def forget_other_worlds(self, world_size: int) -> None:
+        """Delete the copies kept in ``replicas/`` that another world size saved."""
+        for meta_path in self.replicas_dir.glob("rank_*.*.meta"):
+            meta = _read_meta(meta_path)
+            if meta is not None and meta["world_size"] != world_size:
+                meta_path.unlink(missing_ok=True)  # the meta first: never a meta without data
+                meta_path.with_suffix(".data").unlink(missing_ok=True)
+
     def replica_slot(self, held: Held, save_id: str) -> Slot | None:
         """The slot to pull ``held`` into (None: held already): the free one, else the one
         with the older step of that rank."""
@@ -243,6 +251,13 @@ class ReplicaService:
         for held, peer in wanted:
             self._jobs.put(_Job(0, next(self._seq), held, peer, "restore", batch))
 
+    def forget_other_worlds(self, world_size: int) -> None:
+        """A step of a ``world_size`` world is committed: copies saved by other world sizes
+        can no longer be the newest restorable step; free their memory (on the puller's
+        thread, which is the one writing copies)."""
+        self._jobs.put(_Job(1, next(self._seq), Held(world_size, 0, 0), Peer("", "", 0),
+                            "forget"))
+
     def news(self) -> list[News]:
         with contextlib.suppress(BlockingIOError):
             os.read(self.fd, 4096)
@@ -327,6 +342,9 @@ class ReplicaService:
         sockets: dict[tuple[str, int], zmq.Socket] = {}
         try:
             while (job := self._jobs.get()).purpose != "stop":
+                if job.purpose == "forget":
+                    self.shards.forget_other_worlds(job.held.world_size)
+                    continue
                 if job.purpose == "replica" and \
                         self._newest_offer.get((job.held.world_size, job.held.rank), -1) > job.held.step:
                     continue  # a newer save of that rank was offered: copy that one

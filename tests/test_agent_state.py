@@ -220,6 +220,9 @@ class FakeReplicas:
     def fetch(self, wanted) -> None:
         self.pulls += 1
 
+    def forget_other_worlds(self, world_size: int) -> None:
+        assert world_size > 0
+
 
 class FakeEvents:
     def __init__(self) -> None:

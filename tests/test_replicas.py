@@ -274,3 +274,15 @@ def test_closing_a_service_mid_transfer_gives_up_at_once(nodes, tmp_path):
     assert not any(t.is_alive() for t in b._threads)
     assert b.shards.inventory() == ()
     b.close = lambda: None  # closed: the fixture's teardown has nothing left to do
+
+
+def test_copies_of_another_world_are_freed_once_the_new_world_commits(nodes):
+    (a, _), (b, b_dir) = nodes("a"), nodes("b")
+    stage(b_dir / "replicas", 4, 40, b"old world" * 100, world=6)  # kept for a lost node
+    stage(b_dir / "replicas", 1, 50, b"new world" * 100, world=4)
+    b.forget_other_worlds(4)
+    a.offer(Held(6, 0, 1), (as_peer(b),))  # a job behind it on the same thread: done after
+    wait_news(b)
+    assert b.inventory() == (Held(4, 1, 50),)
+    assert sorted(p.name for p in (b_dir / "replicas").iterdir()) == ["rank_1.0.data",
+                                                                     "rank_1.0.meta"]
