@@ -126,6 +126,7 @@ def _checkpointer(root: Path):
 
 def bench_ftlaunch(state, out):
     ckpt = _checkpointer(out.parent.parent)
+    ckpt.reserve(**state).wait()  # as load_latest starts it, during the first steps
     step = (ckpt.latest_step() or 0) + 1
     t0 = time.perf_counter()
     ckpt.save(step, **state)

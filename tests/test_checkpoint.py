@@ -579,3 +579,19 @@ def test_a_byte_range_is_read_and_verified_in_its_blocks_only(tmp_path):
         shards.read_blocks(storage, meta, 3, 2)
     with pytest.raises(shards.ShardError, match="checksum"):
         shards.read(storage, 3, 0)
+
+
+def test_staging_is_reserved_before_the_first_save(tmp_path):
+    """After load_latest (nothing to restore) both staging slots are sized for the state in
+    the background, so the first save finds its memory mapped and only copies."""
+    (tmp_path / "shm").mkdir()
+    state = {"w": torch.randn(1 << 20), "m": torch.randn(1 << 19)}
+    ckpt = AsyncCheckpointer(tmp_path / "ck", staging_dir=str(tmp_path / "shm"))
+    assert ckpt.load_latest(state=state) == 0
+    assert ckpt.reserve(state=state).wait(timeout=60)
+    needed = (1 << 20) * 4 + (1 << 19) * 4
+    mapped = [slot.buffer for slot in ckpt._slots]
+    assert all(b is not None and len(b) >= needed for b in mapped)
+    ckpt.save(1, state=state)
+    assert all(slot.buffer is b for slot, b in zip(ckpt._slots, mapped, strict=True))  # no re-sizing
+    ckpt.close()

@@ -116,10 +116,10 @@ class AsyncCheckpointer:
             assert slot.buffer is not None  # ensured above
             self._size_in_background(index ^ 1, len(slot.buffer))
 
-    def reserve(self, **state: Any) -> None:
+    def reserve(self, **state: Any) -> threading.Event:
         """Size both staging slots for saves of ``state`` in the background (``load_latest``
         does it for the state it restores): the first save then only copies, instead of
-        also allocating and mapping staging memory."""
+        also allocating and mapping staging memory. Returns an event set once done."""
         tensors: list[torch.Tensor] = []
         _encode({k: _state_of(v) for k, v in state.items()}, tensors)
         nbytes = sum(_aligned(t.numel() * t.element_size()) for t in tensors)
@@ -128,6 +128,14 @@ class AsyncCheckpointer:
             if (busy is None or busy.is_set()) and (slot.buffer is None
                                                      or len(slot.buffer) < nbytes):
                 self._size_in_background(index, nbytes)
+        done, waits = threading.Event(), [b for b in self._busy if b is not None]
+
+        def when_reserved() -> None:
+            for busy in waits:
+                busy.wait()
+            done.set()
+        threading.Thread(target=when_reserved, name="ftlaunch-ckpt-reserved", daemon=True).start()
+        return done
 
     def wait(self) -> None:
         """Block until every save so far is durable; raises the writer's error if any."""
