@@ -225,6 +225,9 @@ class ReplicaService:
 
     def offer(self, held: Held, to: tuple[Peer, ...]) -> None:
         """Tell ``to`` that this node holds ``held`` in memory: each pulls a copy."""
+        wanted = {(p.addr, p.port) for p in to}
+        for gone in [key for key in self._offers if key not in wanted]:  # holders of old rounds
+            self._offers.pop(gone).close()
         for peer in to:
             sock = self._offers.get((peer.addr, peer.port))
             if sock is None:
