@@ -120,6 +120,16 @@ class Durable(Body):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Replicated(Body):
+    """This node now holds a whole copy of a peer's rank's shard of ``step`` in memory."""
+
+    TYPE = "replicated"
+    node_id: str
+    rank: int
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class Leave(Body):
     """This node ends the job (a signal, or an unhealthy single node)."""
 
@@ -189,6 +199,15 @@ class Committed(Body):
     """Every rank's shard of ``step`` is durable (coordinator -> agents -> their ranks)."""
 
     TYPE = "committed"
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class InMemory(Body):
+    """Every rank's shard of ``step`` has a copy in another node's memory: losing any one
+    node, the job restores ``step`` without storage (coordinator -> agents)."""
+
+    TYPE = "in_memory"
     step: int
 
 
@@ -291,8 +310,8 @@ class Resume(Body):
 
 
 CONTROL: dict[str, type[Body]] = {m.TYPE: m for m in (
-    Join, Heartbeat, StoreReady, Failure, Finished, Durable, Leave, Unhealthy,
-    HeartbeatAck, Assign, Start, Recover, Stop, Committed)}
+    Join, Heartbeat, StoreReady, Failure, Finished, Durable, Replicated, Leave, Unhealthy,
+    HeartbeatAck, Assign, Start, Recover, Stop, Committed, InMemory)}
 LOCAL: dict[str, type[Body]] = {m.TYPE: m for m in (
     Hello, Restartable, Beat, Tick, Learned, Section, Parked, ShardDurable, ShardStaged,
     Abort, Resume, Committed)}

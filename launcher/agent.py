@@ -162,6 +162,10 @@ class Agent:
                                  "(every rank's shard durable)", console=False, step=step)
                 for rank in self.workers.alive():
                     self.hub.send(rank.proc.pid, messages.Committed(step=step))
+            case messages.InMemory(step=step):
+                self.events.emit("checkpoint_in_memory", f"checkpoint step {step}: every "
+                                 "rank's shard has a copy in another node's memory",
+                                 console=False, step=step)
             case messages.Stop(exit_code=exit_code, reason=reason):
                 self._on_stop(exit_code, reason)
 
@@ -340,6 +344,9 @@ class Agent:
         for item in news:
             match item:
                 case replica_service.Transferred(held=h, source=source, purpose=purpose):
+                    if purpose == "replica":  # whole: the coordinator counts it
+                        self._send(messages.Replicated(node_id=self.plan.node_id, rank=h.rank,
+                                                       step=h.step))
                     self.events.emit(f"{purpose}_pulled", f"rank {h.rank}'s step {h.step} "
                                      f"({item.nbytes / 1e6:.1f} MB) copied from node {source}'s "
                                      f"memory in {item.seconds:.3f}s", console=False,

@@ -1,4 +1,6 @@
 """Which checkpoint step is committed: a pure record of the durable reports agents relay.
+(The coordinator keeps a second one of the copies peers hold in memory: the newest step
+every rank has a peer copy of.)
 
 Each rank's checkpoint writer reports every shard it made durable; its agent relays the
 report to the coordinator, which announces a step once every rank of the world holds it

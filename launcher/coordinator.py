@@ -27,11 +27,13 @@ from ftlaunch_contract.messages import (
     Heartbeat,
     HeartbeatAck,
     HeldShards,
+    InMemory,
     Join,
     Leave,
     Peer,
     Peers,
     Recover,
+    Replicated,
     Start,
     Stop,
     StoreReady,
@@ -96,6 +98,7 @@ class JobState:
     first_finished_at: float | None = None
     final: tuple[int, str] | None = None  # (exit code, reason) once done
     commits: CommitLog = field(default_factory=lambda: CommitLog(0))  # of the current world
+    copies: CommitLog = field(default_factory=lambda: CommitLog(0))  # steps copied to peers
     replicas: int = 0  # peers keeping a copy of each node's staged checkpoints
     replica_ports: dict[str, int] = field(default_factory=dict)
     held: dict[str, HeldShards] = field(default_factory=dict)  # shards in memory, as joined
@@ -207,6 +210,11 @@ class Coordinator:
             if step is not None:
                 self._broadcast_round(Committed(step=step))
             return
+        if isinstance(msg, Replicated):  # a fact about memory, like durable about storage
+            step = s.copies.report(msg.rank, msg.step)
+            if step is not None:
+                self._broadcast_round(InMemory(step=step))
+            return
         if received.epoch != s.epoch:
             log.info("ignored stale %s (epoch %d, now %d)", msg.TYPE, received.epoch, s.epoch)
             return
@@ -304,6 +312,7 @@ class Coordinator:
         s.group_ranks = {a.node_id: a.group_rank for a in assignments}
         if assignments and assignments[0].world_size != s.commits.world_size:
             s.commits = CommitLog(assignments[0].world_size)  # shards of another world differ
+            s.copies = CommitLog(assignments[0].world_size)
         members = tuple(Successor(a.node_id, s.members[a.node_id].addr,
                                   s.standby_ports[a.node_id]) for a in assignments[:SUCCESSORS])
         s.phase = RoundPhase.WAITING_STORE

@@ -26,7 +26,7 @@ from launcher.config import LaunchConfig
 from launcher.gpu_health import Finding, Severity
 from launcher.node_policy import Phase
 from launcher.rank_hub import HubNews
-from launcher.replica_service import FetchDone
+from launcher.replica_service import FetchDone, Transferred
 from launcher.workers import RankExit
 
 LOCAL_WORLD_SIZE = 2
@@ -321,6 +321,10 @@ class AgentMachine(RuleBasedStateMachine):
     def committed(self, step):
         self._order("committed", step=step)
 
+    @rule(step=st.integers(0, 5))
+    def in_memory(self, step):
+        self._order("in_memory", step=step)
+
     @rule(what=st.sampled_from(["recover rank 0", "recover rank 1", "recover job 0",
                                 "recover cold 1", "coordinator lost"]))
     def disruption(self, what):
@@ -436,6 +440,11 @@ class AgentMachine(RuleBasedStateMachine):
     @rule(failed=st.integers(0, 1))
     def shards_pulled(self, failed):
         self.agent.on_replica_news([FetchDone(1 - failed, failed, 0.2)])
+
+    @rule(step=st.integers(0, 5), purpose=st.sampled_from(["replica", "restore"]))
+    def a_copy_arrived(self, step, purpose):
+        """A peer's shard is whole in this node's memory (only replicas are reported)."""
+        self.agent.on_replica_news([Transferred(Held(4, 3, step), "n2", purpose, 100, 0.1)])
 
     @rule(step=st.integers(0, 5))
     def a_rank_staged(self, step):

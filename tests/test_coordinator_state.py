@@ -156,3 +156,27 @@ def test_both_copies_lost_is_said_and_the_ranks_restore_from_storage(caplog):
     assigns = _round({"a": [Held(3, 0, 40)], "b": [Held(3, 1, 40)]}, caplog)  # rank 2: gone
     assert assigns["a"].fetch == assigns["b"].fetch == ()
     assert "no checkpoint step is whole in the memory of the 2 nodes" in caplog.text
+
+
+def test_a_step_every_rank_has_a_peer_copy_of_is_announced_once():
+    """Holders report whole copies; once every rank's shard of a step has one, all hear it."""
+    socket = CapturingSocket()
+    state = JobState(min_nodes=2, max_nodes=2, max_restarts=2, policy="rank", backoff=1.0,
+                     backoff_max=4.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=1.0, join_timeout=60.0, host_node="a", joining_since=0.0,
+                     replicas=1)
+    coordinator = Coordinator(socket, SECRET, state)
+    for i, node in enumerate("ab"):
+        coordinator._handle(node.encode(), Envelope(0, CONTROL["join"](
+            node_id=node, local_world_size=1, addr=f"10.0.0.{i + 1}", standby_port=4000,
+            rank_hint=-1, replica_port=4100, held=())), 1.0)
+    coordinator._tick(1.1)
+
+    def announced():
+        return [m.body.step for _, m in socket.sent if m.body.TYPE == "in_memory"]
+    coordinator._handle(b"b", Envelope(1, CONTROL["replicated"](node_id="b", rank=0, step=10)), 2)
+    assert announced() == []  # rank 1's copy is not whole yet
+    coordinator._handle(b"a", Envelope(1, CONTROL["replicated"](node_id="a", rank=1, step=10)), 2)
+    assert announced() == [10, 10]  # to both nodes
+    coordinator._handle(b"a", Envelope(1, CONTROL["replicated"](node_id="a", rank=1, step=10)), 3)
+    assert announced() == [10, 10]
