@@ -214,7 +214,7 @@ def test_a_forged_or_corrupted_chunk_is_rejected():
 
 
 def test_a_save_overwritten_mid_transfer_is_never_sealed_as_a_replica(nodes):
-    (a, a_dir), (b, _) = nodes("a"), nodes("b", bandwidth=8 << 20)  # ~1 s a transfer
+    (a, a_dir), (b, _) = nodes("a"), nodes("b", bandwidth=2 << 20)  # 2nd chunk after 2 s
     stage(a_dir, 1, 10, os.urandom(8 << 20), save_id="first")
     a.offer(Held(6, 1, 10), (as_peer(b),))
     time.sleep(0.3)  # the transfer is under way
