@@ -86,7 +86,7 @@ def unpack_local(data: bytes) -> Body:
     """Decode a node-local message; anything malformed raises ProtocolError."""
     if len(data) > MAX_BYTES:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_BYTES}")
-    fields = _unpack_map(data)
+    fields = unpack_map(data)
     kind = fields.pop("type", None)
     _check_fields(kind, fields, LOCAL_SCHEMA)
     return _build(messages.LOCAL[kind], fields)
@@ -138,7 +138,7 @@ class Codec:
         expected = hmac.new(self._secret, body, hashlib.sha256).digest()
         if not hmac.compare_digest(expected, mac):
             raise ProtocolError("bad signature (wrong job secret or forged message)")
-        data = _unpack_map(body)
+        data = unpack_map(body)
         version = data.pop("v", None)
         if type(version) is not int or version != VERSION:
             raise ProtocolError(f"unsupported protocol version (this side speaks {VERSION})")
@@ -154,7 +154,7 @@ class Codec:
         return Envelope(epoch, _build(messages.CONTROL[kind], data))
 
 
-def _unpack_map(body: bytes) -> dict[str, Any]:
+def unpack_map(body: bytes) -> dict[str, Any]:
     """msgpack that must decode to a map (never anything executable)."""
     try:
         data = msgpack.unpackb(body, raw=False, strict_map_key=True)

@@ -35,6 +35,7 @@ import msgpack
 import zmq
 
 from ftlaunch_contract.messages import Held, Peer
+from ftlaunch_contract.protocol import ProtocolError, unpack_map
 from ftlaunch_contract.staging import SLOTS, Slot, StagingFull
 
 log = logging.getLogger("ftlaunch.replicas")
@@ -104,12 +105,9 @@ class Wire:
         if not hmac.compare_digest(expected.digest(), bytes(mac)):
             raise TransferError("bad signature (wrong job secret, forged or corrupted)")
         try:
-            header = msgpack.unpackb(head, raw=False, strict_map_key=True)
-        except Exception as e:
-            raise TransferError(f"undecodable header: {type(e).__name__}") from None
-        if not isinstance(header, dict):
-            raise TransferError("header is not a map")
-        return header, data
+            return unpack_map(bytes(head)), data
+        except ProtocolError as e:
+            raise TransferError(str(e)) from None
 
 
 class MemoryShards:

@@ -125,22 +125,28 @@ CoordinatorMachine.TestCase.settings = settings(max_examples=200, stateful_step_
 TestCoordinatorStateMachine = CoordinatorMachine.TestCase
 
 
-def _round(held_by_node, caplog):
-    """Two nodes join with these shards in memory; the round closes at MAX: their assigns."""
-    import logging
-
+def _two_nodes_joined(held_by_node) -> tuple[Coordinator, CapturingSocket]:
+    """Two nodes join with these shards in memory; the round closes at MAX."""
     socket = CapturingSocket()
     state = JobState(min_nodes=2, max_nodes=2, max_restarts=2, policy="rank", backoff=1.0,
                      backoff_max=4.0, exit_barrier_timeout=30.0, node_timeout=5.0,
                      last_call=1.0, join_timeout=60.0, host_node="a", joining_since=0.0,
                      replicas=1)
     coordinator = Coordinator(socket, SECRET, state)
+    for i, (node, held) in enumerate(held_by_node.items()):
+        coordinator._handle(node.encode(), Envelope(0, CONTROL["join"](
+            node_id=node, local_world_size=1, addr=f"10.0.0.{i + 1}", standby_port=4000,
+            rank_hint=-1, replica_port=4100 + i, held=tuple(held))), 1.0)
+    coordinator._tick(1.1)
+    return coordinator, socket
+
+
+def _round(held_by_node, caplog):
+    """The assigns of a round whose two nodes hold these shards in memory."""
+    import logging
+
     with caplog.at_level(logging.INFO, logger="ftlaunch.coordinator"):
-        for i, (node, held) in enumerate(held_by_node.items()):
-            coordinator._handle(node.encode(), Envelope(0, CONTROL["join"](
-                node_id=node, local_world_size=1, addr=f"10.0.0.{i + 1}", standby_port=4000,
-                rank_hint=-1, replica_port=4100 + i, held=tuple(held))), 1.0)
-        coordinator._tick(1.1)
+        _, socket = _two_nodes_joined(held_by_node)
     return {to.decode(): m.body for to, m in socket.sent if isinstance(m.body, Assign)}
 
 
@@ -160,17 +166,7 @@ def test_both_copies_lost_is_said_and_the_ranks_restore_from_storage(caplog):
 
 def test_a_step_every_rank_has_a_peer_copy_of_is_announced_once():
     """Holders report whole copies; once every rank's shard of a step has one, all hear it."""
-    socket = CapturingSocket()
-    state = JobState(min_nodes=2, max_nodes=2, max_restarts=2, policy="rank", backoff=1.0,
-                     backoff_max=4.0, exit_barrier_timeout=30.0, node_timeout=5.0,
-                     last_call=1.0, join_timeout=60.0, host_node="a", joining_since=0.0,
-                     replicas=1)
-    coordinator = Coordinator(socket, SECRET, state)
-    for i, node in enumerate("ab"):
-        coordinator._handle(node.encode(), Envelope(0, CONTROL["join"](
-            node_id=node, local_world_size=1, addr=f"10.0.0.{i + 1}", standby_port=4000,
-            rank_hint=-1, replica_port=4100, held=())), 1.0)
-    coordinator._tick(1.1)
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
 
     def announced():
         return [m.body.step for _, m in socket.sent if m.body.TYPE == "in_memory"]
