@@ -236,6 +236,8 @@ def test_bandwidth_cap_bounds_replica_transfers(nodes):
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A real 512 KiB tmpfs: shared memory that fills up."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (as the netns tests do)")
     where = tmp_path / "small"
     where.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(where)], check=True)
