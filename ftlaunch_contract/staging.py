@@ -146,6 +146,18 @@ class Slot:
             self._fd = -1
 
 
+def read_meta(path: Path) -> dict[str, Any] | None:
+    """A sealed slot's meta (what its data is), or None: gone, being rewritten, malformed."""
+    try:
+        meta = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or not all(
+            type(meta.get(k)) is int for k in ("world_size", "rank", "step", "nbytes")):
+        return None
+    return meta
+
+
 def _map(fd: int, size: int, populate: bool = True) -> mmap.mmap:
     """Shared, with every page mapped up front (MAP_POPULATE): no page fault mid-copy."""
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (

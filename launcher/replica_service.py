@@ -36,7 +36,7 @@ import zmq
 
 from ftlaunch_contract.messages import Held, Peer
 from ftlaunch_contract.protocol import ProtocolError, unpack_map
-from ftlaunch_contract.staging import SLOTS, Slot, StagingFull
+from ftlaunch_contract.staging import SLOTS, Slot, StagingFull, read_meta
 
 log = logging.getLogger("ftlaunch.replicas")
 
@@ -122,7 +122,7 @@ class MemoryShards:
         found = []
         for directory in (self.staging_dir, self.replicas_dir):
             for path in sorted(directory.glob("rank_*.*.meta")):
-                meta = _read_meta(path)
+                meta = read_meta(path)
                 if meta is not None:
                     found.append((path, meta))
         return found
@@ -147,7 +147,7 @@ class MemoryShards:
             data = os.pread(fd, nbytes, offset)
         finally:
             os.close(fd)
-        again = _read_meta(meta_path)
+        again = read_meta(meta_path)
         if again is None or again.get("save_id") != save_id or len(data) != nbytes:
             raise TransferError(f"{_name(held)} was overwritten during the transfer")
         return data
@@ -155,7 +155,7 @@ class MemoryShards:
     def forget_other_worlds(self, world_size: int) -> None:
         """Delete the copies kept in ``replicas/`` that another world size saved."""
         for meta_path in self.replicas_dir.glob("rank_*.*.meta"):
-            meta = _read_meta(meta_path)
+            meta = read_meta(meta_path)
             if meta is not None and meta["world_size"] != world_size:
                 meta_path.unlink(missing_ok=True)  # the meta first: never a meta without data
                 meta_path.with_suffix(".data").unlink(missing_ok=True)
@@ -198,8 +198,7 @@ class ReplicaService:
         self._jobs: queue.PriorityQueue[_Job] = queue.PriorityQueue()
         self._seq = itertools.count()
         self._newest_offer: dict[tuple[int, int], int] = {}  # (world, rank) -> step
-        self._batches: dict[int, list[int]] = {}  # batch -> [left, pulled, failed]
-        self._batch_started: dict[int, float] = {}
+        self._batches: dict[int, list[float]] = {}  # batch -> [left, pulled, failed, t0]
         self._lock = threading.Lock()
         self._closing = threading.Event()  # a transfer under way gives up at once
         self._news: queue.SimpleQueue[News] = queue.SimpleQueue()
@@ -245,10 +244,12 @@ class ReplicaService:
     def fetch(self, wanted: list[tuple[Held, Peer]]) -> None:
         """Pull these shards, at full speed, before the ranks restore; ``FetchDone`` once
         all are in or given up."""
+        if not wanted:
+            self._tell(FetchDone(0, 0, 0.0))
+            return
         with self._lock:
             batch = next(self._seq) + 1
-            self._batches[batch] = [len(wanted), 0, 0]
-            self._batch_started[batch] = time.monotonic()
+            self._batches[batch] = [len(wanted), 0, 0, time.monotonic()]
         for held, peer in wanted:
             self._jobs.put(_Job(0, next(self._seq), held, peer, "restore", batch))
 
@@ -355,9 +356,9 @@ class ReplicaService:
                     news: News = Transferred(job.held, job.source.node_id, job.purpose,
                                              nbytes, time.monotonic() - started)
                 except (TransferError, StagingFull, OSError, zmq.ZMQError) as e:
-                    for key in [k for k, s in sockets.items() if k == (job.source.addr,
-                                                                         job.source.port)]:
-                        sockets.pop(key).close()  # drop replies still in flight
+                    stale = sockets.pop((job.source.addr, job.source.port), None)
+                    if stale is not None:
+                        stale.close()  # drop replies still in flight
                     news = NotTransferred(job.held, job.source.node_id, job.purpose, str(e))
                 self._tell(news)
                 if job.batch:
@@ -374,8 +375,7 @@ class ReplicaService:
             if counts[0] > 0:
                 return
             del self._batches[batch]
-            seconds = time.monotonic() - self._batch_started.pop(batch)
-        self._tell(FetchDone(counts[1], counts[2], seconds))
+        self._tell(FetchDone(int(counts[1]), int(counts[2]), time.monotonic() - counts[3]))
 
     def _pull(self, job: _Job, sockets: dict[tuple[str, int], zmq.Socket]) -> int:
         """Copy one shard from its source into a replica slot; returns its size."""
@@ -446,20 +446,6 @@ class ReplicaService:
             if header.get("error"):
                 raise TransferError(str(header["error"]))
             return header, data
-
-
-def _read_meta(path: Path) -> dict[str, Any] | None:
-    try:
-        meta = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(meta, dict):
-        return None
-    try:
-        _held(meta)
-    except (KeyError, TypeError):
-        return None
-    return meta
 
 
 def _held(meta: dict[str, Any]) -> Held:

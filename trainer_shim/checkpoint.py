@@ -23,13 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import torch
 
 from ftlaunch_contract import environment, reshard, shards
 from ftlaunch_contract.messages import ShardDurable, ShardStaged
 from ftlaunch_contract.reshard import Box
-from ftlaunch_contract.staging import SLOTS, Slot, StagingFull
+from ftlaunch_contract.staging import SLOTS, Slot, StagingFull, read_meta
 from ftlaunch_contract.storage import open_storage
 from trainer_shim import collective, shutdown
 from trainer_shim.collective import all_reduce_int
@@ -232,7 +231,7 @@ class AsyncCheckpointer:
         found = {}
         for path in [*self._staging.glob("replicas/rank_*.*.meta"),  # staging's own win
                      *self._staging.glob("rank_*.*.meta")]:
-            meta = _read_meta(path)
+            meta = read_meta(path)
             if meta is not None and meta.get("dest") == self.uri and self._same_save_as_stored(
                     listed, meta["step"], meta["rank"], meta.get("save_id")):
                 found[(meta["world_size"], meta["rank"], meta["step"])] = (path, meta)
@@ -343,7 +342,7 @@ class AsyncCheckpointer:
             if isinstance(data, mmap.mmap):
                 with contextlib.suppress(BufferError):  # a view still alive: unmapped by GC
                     data.close()
-            again = _read_meta(path) if check else meta
+            again = read_meta(path) if check else meta
             if again is None or again.get("save_id") != meta.get("save_id"):
                 raise CheckpointError(f"rank {meta['rank']}'s step {meta['step']} in shared "
                                       "memory was overwritten while it was restored")
@@ -457,7 +456,7 @@ class _Source:
             f.seek(offset)
             if f.readinto(data) != nbytes:
                 data = bytearray()
-        again = _read_meta(self._path)
+        again = read_meta(self._path)
         if len(data) != nbytes or again is None or again.get("save_id") != self.meta["save_id"]:
             raise CheckpointError(f"rank {self.meta['rank']}'s step {self.meta['step']} in "
                                   "shared memory was overwritten while it was read")
@@ -550,17 +549,6 @@ def _whole_in_memory(memory: dict[tuple[int, int, int], Any]) -> dict[int, int]:
     return {step: world for (step, world), have in ranks.items() if have >= set(range(world))}
 
 
-def _read_meta(path: Path) -> dict[str, Any] | None:
-    try:
-        meta = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(meta, dict) or not all(
-            type(meta.get(k)) is int for k in ("world_size", "rank", "step", "nbytes")):
-        return None
-    return meta
-
-
 def _map_copy(meta_path: Path, meta: dict[str, Any]) -> Any:
     """A shard's bytes in shared memory, mapped (nothing is copied until restored into
     the target), or None if its slot holds another save by now."""
@@ -572,7 +560,7 @@ def _map_copy(meta_path: Path, meta: dict[str, Any]) -> Any:
                                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     except (OSError, ValueError):
         return None
-    again = _read_meta(meta_path)
+    again = read_meta(meta_path)
     if again is None or again.get("save_id") != meta.get("save_id"):
         mapped.close()
         return None
