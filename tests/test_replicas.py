@@ -131,6 +131,13 @@ def stage(directory, rank, step, data: bytes, world=6, index=0, save_id=None):
     return meta
 
 
+def wait_for_file(path, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)  # a file another thread creates: no event to wait on
+
+
 def wait_news(service, want=1, timeout=30.0):
     got, end = [], time.monotonic() + timeout
     while len(got) < want and time.monotonic() < end:
@@ -217,7 +224,7 @@ def test_a_save_overwritten_mid_transfer_is_never_sealed_as_a_replica(nodes):
     (a, a_dir), (b, _) = nodes("a"), nodes("b", bandwidth=2 << 20)  # 2nd chunk after 2 s
     stage(a_dir, 1, 10, os.urandom(8 << 20), save_id="first")
     a.offer(Held(6, 1, 10), (as_peer(b),))
-    time.sleep(0.3)  # the transfer is under way
+    wait_for_file(b.shards.replicas_dir / "rank_1.0.data")  # the transfer is under way
     stage(a_dir, 1, 12, os.urandom(8 << 20), save_id="second")  # the rank saved again
     news = wait_news(b)
     assert isinstance(news[0], NotTransferred), news  # between chunks, or within one:
@@ -266,10 +273,7 @@ def test_closing_a_service_mid_transfer_gives_up_at_once(nodes, tmp_path):
     (a, a_dir), (b, _) = nodes("a"), nodes("b", bandwidth=1 << 20)  # 8 s for this shard
     stage(a_dir, 0, 3, os.urandom(8 << 20))
     a.offer(Held(6, 0, 3), (as_peer(b),))
-    deadline = time.monotonic() + 10
-    while not (b.shards.replicas_dir / "rank_0.0.data").exists():  # the pull has begun
-        assert time.monotonic() < deadline, "the transfer never started"
-        time.sleep(0.01)  # a file another thread creates: no event to wait on
+    wait_for_file(b.shards.replicas_dir / "rank_0.0.data")  # the pull has begun
     started = time.monotonic()
     b.close()
     assert time.monotonic() - started < 5, "close waited for the transfer"  # hang guard
