@@ -13,11 +13,20 @@ addressing, as S3-compatible servers want), credentials from the usual AWS chain
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import mmap
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
 PART = 8 << 20  # the S3 client's multipart upload part size
+DIRECT_MIN = 64 << 20  # objects at least this large are written with O_DIRECT streams
+STREAMS = 8  # direct writes in flight for one object
+CHUNK = 8 << 20  # bytes per direct write
+ALIGN = mmap.PAGESIZE  # O_DIRECT's alignment of memory, offsets and lengths (>= 512, 4096)
 
 
 class StorageError(OSError):
@@ -51,14 +60,18 @@ class PosixStorage:
         self.uri = str(self.root)
 
     def write(self, name: str, data: memoryview | bytes) -> None:
+        """Large objects go to the disk in several direct streams (``_write_direct``),
+        small ones, and file systems without O_DIRECT, through the page cache."""
         path = self.root / name
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            with memoryview(data) as view, view.cast("B") as raw:
+                if len(raw) < DIRECT_MIN or not _write_direct(tmp, raw):
+                    with open(tmp, "wb") as f:
+                        f.write(raw)
+                        f.flush()
+                        os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -168,6 +181,74 @@ class S3Storage:
         for name in self.list(prefix):
             with contextlib.suppress(self._error):  # retention retries next time
                 self._client.delete_object(self.bucket, self._key(name))
+
+
+def _write_direct(path: Path, data: memoryview) -> bool:
+    """Write ``data`` to a new file in ``STREAMS`` concurrent O_DIRECT writes of ``CHUNK``
+    bytes, then fsync; False (nothing written) where the file system refuses O_DIRECT.
+
+    Why: one buffered ``write`` copies every byte into the page cache on one core, and the
+    disk sees them only as the kernel's writeback gets to them; direct writes go from our
+    memory to the device, several in flight at once (as DeepSpeed's FastPersist does).
+    Measured on this machine's virtio disk: 4 GiB in 2.4 s where a single stream, and
+    ``dd``, took 5-7 s. The unaligned tail (under a page) is written through the page
+    cache; the one fsync at the end covers both."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False  # tmpfs before Linux 6.6, some FUSE file systems
+        raise
+    aligned = len(data) // ALIGN * ALIGN
+    copy_first = not _page_aligned(data)  # then each stream copies into aligned memory
+    local = threading.local()  # a stream's page-aligned buffer, freed with its thread
+
+    def write_chunk(offset: int) -> None:
+        part = data[offset:min(offset + CHUNK, aligned)]
+        if copy_first:
+            if not hasattr(local, "bounce"):
+                local.bounce = mmap.mmap(-1, CHUNK)
+            local.bounce[:len(part)] = part
+            part = memoryview(local.bounce)[:len(part)]
+        _pwrite_all(fd, part, offset)
+
+    try:
+        with contextlib.suppress(OSError):  # reserves the extent where the fs can
+            os.posix_fallocate(fd, 0, len(data))
+        with ThreadPoolExecutor(STREAMS, thread_name_prefix="ftlaunch-write") as pool:
+            try:
+                list(pool.map(write_chunk, range(0, aligned, CHUNK)))
+            except OSError as e:
+                if e.errno == errno.EINVAL:  # O_DIRECT opened, but refused our alignment
+                    return False
+                raise
+        if aligned < len(data):
+            tail = os.open(path, os.O_WRONLY)
+            try:
+                _pwrite_all(tail, data[aligned:], aligned)
+            finally:
+                os.close(tail)
+        os.fsync(fd)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _page_aligned(data: memoryview) -> bool:
+    """Whether ``data`` starts on a page (as a staging mapping does): then O_DIRECT writes
+    take it as it is. Read-only buffers cannot tell their address: they are copied."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(data)) % ALIGN == 0
+    except TypeError:
+        return False
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def _fsync_dir(path: Path) -> None:

@@ -176,11 +176,17 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir on /tmp)")
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch's intra-op threads (a rank under torchrun or ftlaunch has 1); "
+                        "default: torch's own")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     state = make_state(args.gib)
     root = Path(tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir))
     print(f"state {nbytes(state) / (1 << 30):.2f} GiB in {sum(len(d) for d in state.values())} "
-          f"tensors; writing under {root}; torch {torch.__version__}, {os.cpu_count()} CPUs")
+          f"tensors; writing under {root}; torch {torch.__version__}, {os.cpu_count()} CPUs, "
+          f"{torch.get_num_threads()} intra-op threads")
     results = {}
     for rep in range(args.reps):
         for name in args.methods.split(","):

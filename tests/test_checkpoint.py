@@ -4,6 +4,8 @@ rank's shard is durable, damage detected, kill -9 at any instant never tears the
 from __future__ import annotations
 
 import contextlib
+import errno
+import mmap
 import os
 import random
 import signal
@@ -15,7 +17,7 @@ import time
 import pytest
 import torch
 
-from ftlaunch_contract import shards
+from ftlaunch_contract import shards, storage
 from ftlaunch_contract.storage import PosixStorage
 from trainer_shim.checkpoint import AsyncCheckpointer, CheckpointError
 
@@ -148,6 +150,41 @@ def test_a_full_disk_fails_the_save_clearly_and_commits_nothing(tmp_path):
         assert ckpt.load_latest(state=restored) == 3 and restored["x"][0] == 3.0
         ckpt.close()
 
+
+
+@pytest.fixture
+def direct_streams(monkeypatch):
+    """Large-object writes for small objects: several direct streams of 64 KiB chunks."""
+    monkeypatch.setattr(storage, "DIRECT_MIN", 0)
+    monkeypatch.setattr(storage, "CHUNK", 64 << 10)
+
+
+@pytest.mark.parametrize("source", ["staging mapping", "bytes"])
+def test_direct_streams_write_every_byte_in_place(tmp_path, direct_streams, source):
+    """Chunks written by several O_DIRECT streams at once, from page-aligned memory as it
+    is or (bytes: no address to align) copied first, and an unaligned tail: the file holds
+    exactly the data, and nothing else is left."""
+    payload = os.urandom((1 << 20) + 123)
+    if source == "bytes":
+        data = payload
+    else:
+        data = mmap.mmap(-1, len(payload))
+        data[:] = payload
+    assert storage._write_direct(tmp_path / "probe", memoryview(data)), "O_DIRECT refused"
+    PosixStorage(str(tmp_path)).write("step/rank_0.bin", memoryview(data))
+    assert (tmp_path / "step/rank_0.bin").read_bytes() == payload
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_full_disk_fails_a_direct_write_clearly_and_leaves_nothing(tmp_path, direct_streams):
+    with _small_tmpfs(tmp_path / "small", "256k") as mount:
+        target = PosixStorage(str(mount))
+        with pytest.raises(OSError) as failed:
+            target.write("big.bin", memoryview(os.urandom(1 << 20)))
+        assert failed.value.errno == errno.ENOSPC
+        assert not list(mount.iterdir()), "no half-written file left behind"
+        target.write("small.bin", b"fits")  # the storage goes on working
+        assert (mount / "small.bin").read_bytes() == b"fits"
 
 SAVER = textwrap.dedent("""
     import sys, torch

@@ -19,6 +19,7 @@ import sys
 import threading
 import weakref
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,10 @@ from trainer_shim import collective, shutdown
 from trainer_shim.collective import all_reduce_int
 
 log = logging.getLogger("trainer_shim.checkpoint")
+
+COPY_THREADS = 4  # staging copies at once, at most (and no more than our cores)
+COPY_PIECE = 32 << 20  # bytes per staging copy
+PARALLEL_COPY_MIN = 64 << 20  # a smaller state is copied by the caller's thread alone
 
 
 class CheckpointError(RuntimeError):
@@ -605,21 +610,36 @@ def _tell_agent(kind: type[ShardDurable] | type[ShardStaged], rank: int, step: i
 
 
 def _stage(slot: Slot, tensors: list[torch.Tensor], sizes: list[int]) -> list[dict[str, Any]]:
-    """Copy the tensors in, one after another (64-byte aligned, same dtype: a plain
-    vectorised copy); returns where each one went. GPU tensors are copied asynchronously
-    into the staging memory, page-locked for CUDA once, then awaited together."""
+    """Copy the tensors in (64-byte aligned, same dtype: plain vectorised copies); returns
+    where each one went. Host tensors are copied in pieces by a few threads at once (a
+    rank runs with one intra-op thread, as under torchrun, and one core's copy is not the
+    memory's bandwidth); GPU tensors asynchronously into the staging memory, page-locked
+    for CUDA once, then awaited together."""
     on_gpu = any(t.is_cuda for t in tensors)
     if on_gpu:
         _pin(slot)
-    entries, offset = [], 0
+    entries, copies, offset = [], [], 0
     for t, size in zip(tensors, sizes, strict=True):
         if size:
             target = torch.frombuffer(slot.buffer, dtype=t.dtype, count=t.numel(),
                                       offset=offset)
-            target.copy_(t.detach().reshape(-1), non_blocking=t.is_cuda)
+            source = t.detach().reshape(-1)
+            if t.is_cuda:
+                target.copy_(source, non_blocking=True)
+            else:
+                step = max(1, COPY_PIECE // t.element_size())
+                copies += [(target[i:i + step], source[i:i + step])
+                           for i in range(0, t.numel(), step)]
         entries.append({"dtype": str(t.dtype).removeprefix("torch."),
                         "shape": list(t.shape), "offset": offset, "nbytes": size})
         offset += _aligned(size)
+    threads = min(COPY_THREADS, len(os.sched_getaffinity(0)), len(copies))
+    if threads > 1 and offset >= PARALLEL_COPY_MIN:
+        with ThreadPoolExecutor(threads, thread_name_prefix="ftlaunch-ckpt-stage") as pool:
+            list(pool.map(lambda pair: pair[0].copy_(pair[1]), copies))
+    else:
+        for target, source in copies:
+            target.copy_(source)
     if on_gpu:
         torch.cuda.synchronize()  # the copy is whole before the slot is sealed
     return entries
