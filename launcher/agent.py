@@ -30,7 +30,6 @@ from launcher.node_io import (
     Event,
     GpuFound,
     NodeIO,
-    PoolWarm,
     RanksSpoke,
     ReplicaNews,
     SignalArrived,
@@ -38,6 +37,7 @@ from launcher.node_io import (
 from launcher.node_plan import NodePlan
 from launcher.node_policy import GpuAction, OrderAction, Phase
 from launcher.rank_env import Attempt
+from launcher.rank_template import TemplateDied, TemplateReady, TemplateUnsafe
 from launcher.store import AgentStore
 from launcher.workers import Rank, RankExit
 
@@ -46,6 +46,11 @@ FETCH_TIMEOUT = 600.0
 """Seconds the ranks wait at most for their shards to be pulled from peers' memory (each
 transfer gives up by itself once a peer stops answering)."""
 RELEASE_CHECK_INTERVAL = 0.05
+TEMPLATE_TIMEOUT = 120.0
+"""Seconds ranks wait at most for the rank template's imports; then they start fresh."""
+WARM_UP_AFTER = 30.0
+"""Seconds after the ranks start before the next attempt's store is prepared, unless every
+rank heartbeats through trainer_shim sooner (it must not compete with their start-up)."""
 STRICT_ENV = "FTLAUNCH_STRICT"
 """Set (the test suite does): an illegal phase transition raises instead of being logged."""
 
@@ -75,7 +80,7 @@ class Agent:
         self.parked: dict[int, Rank] = {}  # local rank -> process waiting to resume in place
         self.stopping: set[int] = set()  # pids being stopped
         self.after_stop: tuple[Phase, int] = (Phase.BACKING_OFF, 0)  # where stopping leads
-        self.pool_fill_at: float | None = None
+        self.warm_up_at: float | None = None
         self.hang_check_at = 0.0
         self.shutdown_signal: int | None = None
         self.restart_count = 0
@@ -121,15 +126,32 @@ class Agent:
                 self.on_gpu_findings(findings)
             case ReplicaNews(news):
                 self.on_replica_news(news)
-            case PoolWarm(seconds):
-                self.events.emit("warm_pool_ready", "warm pool ready: "
-                                 f"{self.plan.local_world_size} interpreters imported "
+            case TemplateReady() | TemplateUnsafe() | TemplateDied():
+                self.on_template(event)
+
+    def on_template(self, news: TemplateReady | TemplateUnsafe | TemplateDied) -> None:
+        """The rank template is ready, unsafe to fork (fresh interpreters from now on), or
+        died (started again: its ranks died with it and are being recovered)."""
+        match news:
+            case TemplateReady(seconds):
+                self.events.emit("rank_template_ready", "rank template ready: imported "
                                  f"{self.config.preload} in {seconds:.2f}s", seconds=seconds)
+            case TemplateUnsafe(why):
+                self.events.emit("rank_template_unsafe", f"rank template not forked: {why}; "
+                                 "ranks start as fresh interpreters (check --preload)",
+                                 why=why)
+            case TemplateDied(returncode):
+                self.events.emit("rank_template_died", f"rank template exited ({returncode});"
+                                 " starting it again", returncode=returncode)
+                if self.template is not None:
+                    self.template.start()
+        if self.phase == Phase.PREPARING and self._ready_to_start():
+            self._start_ranks()
 
     def attach(self, io: NodeIO) -> None:
         """The edges (real, or a test's fakes with the same methods)."""
         self.io, self.control, self.hub, self.workers = io, io.control, io.hub, io.workers
-        self.events, self.health, self.pool = io.events, io.health, io.pool
+        self.events, self.health, self.template = io.events, io.health, io.template
         self.replicas = io.replicas
 
     def begin(self) -> None:
@@ -200,11 +222,12 @@ class Agent:
         if self.recovery is not None:
             self.recovery.mark("rendezvous")
         self.start_order = msg
-        if self._gpu_memory_held() or self.fetching:
-            wait = max(self.config.gpu_release_timeout, FETCH_TIMEOUT if self.fetching else 0.0)
-            self._enter(Phase.PREPARING, self.clock() + wait)
-        else:
+        if self._ready_to_start():
             self._start_ranks()
+        else:
+            wait = max(self.config.gpu_release_timeout, FETCH_TIMEOUT if self.fetching else 0.0,
+                       TEMPLATE_TIMEOUT if self._template_starting() else 0.0)
+            self._enter(Phase.PREPARING, self.clock() + wait)
 
     def _on_recover(self, msg: messages.Recover) -> None:
         verdict = node_policy.recover_action(self.phase, self.draining)
@@ -298,8 +321,8 @@ class Agent:
         if self.phase != Phase.RUNNING:
             return
         alive = [r.proc.pid for r in self.workers.alive()]
-        if self.pool_fill_at is not None and self.hub.all_beating(alive):
-            self.pool_fill_at = now  # every rank is past its start-up: warm up now
+        if self.warm_up_at is not None and self.hub.all_beating(alive):
+            self.warm_up_at = now  # every rank is past its start-up: warm up now
         for pid in news.parked:
             rank, error = self.workers.by_pid(pid), self.hub.error(pid)
             if rank is not None and error and self.phase == Phase.RUNNING:
@@ -367,7 +390,7 @@ class Agent:
                                      pulled=pulled, failed=failed, seconds=seconds)
                     if self.recovery is not None:
                         self.recovery.mark("pull")
-                    if self.phase == Phase.PREPARING and not self._gpu_memory_held():
+                    if self.phase == Phase.PREPARING and self._ready_to_start():
                         self._start_ranks()
 
     def on_signal(self, signum: int) -> None:
@@ -445,7 +468,7 @@ class Agent:
         if self.phase == Phase.PARKING:
             self._try_park(now)
         elif self.phase == Phase.PREPARING:
-            if (not self.fetching and not self._gpu_memory_held()) or expired:
+            if self._ready_to_start() or expired:
                 self._start_ranks()
         elif self.phase == Phase.RUNNING and now >= self.hang_check_at:
             self.hang_check_at = now + HANG_CHECK_INTERVAL
@@ -461,8 +484,8 @@ class Agent:
             self.deadline = None
             self.events.emit("grace_expired", "grace period over: SIGKILL to remaining ranks")
             self.workers.send_signal(signal.SIGKILL)
-        if self.pool_fill_at is not None and now >= self.pool_fill_at:
-            self.pool_fill_at = None
+        if self.warm_up_at is not None and now >= self.warm_up_at:
+            self.warm_up_at = None
             self._warm_up()
         if now - self.last_loop > self.config.node_timeout / 2:
             self.control.woke(now)  # we were frozen: the silence was ours
@@ -480,7 +503,7 @@ class Agent:
 
     def _poll_timeout_ms(self) -> int:
         now = self.clock()
-        deadlines = [t for t in (self.deadline, self.pool_fill_at) if t is not None]
+        deadlines = [t for t in (self.deadline, self.warm_up_at) if t is not None]
         deadlines.append(self.control.next_heartbeat)
         if self.phase == Phase.RUNNING:
             deadlines.append(self.hang_check_at)
@@ -491,7 +514,8 @@ class Agent:
     # --- moves ---------------------------------------------------------------------------
 
     def _start_ranks(self) -> None:
-        """Each local rank: resume its parked process, or take a warm one, or start afresh."""
+        """Each local rank: resume its parked process, or fork it from the rank template,
+        or start a fresh interpreter."""
         a, msg = self.assignment, self.start_order
         assert a is not None and msg is not None
         self._report_gpu_memory_held()
@@ -505,7 +529,8 @@ class Agent:
                           signals_to_handle=self.config.signals_to_handle)
         now = self.clock()
         self.hub.reset_steps()
-        sources: dict[str, list[int]] = {"resumed": [], "warm": [], "fresh": []}
+        sources: dict[str, list[int]] = {"resumed": [], "forked": [], "fresh": []}
+        template = self.template if self.policy != "cold" else None
         for local_rank in range(self.plan.local_world_size):
             kept = self.parked.pop(local_rank, None)
             if kept is not None:
@@ -514,12 +539,11 @@ class Agent:
                 self.hub.send(kept.proc.pid, messages.Resume(env=env))
                 sources["resumed"].append(kept.rank)
                 continue
-            warm = self.pool.take(local_rank) if self.pool and self.policy != "cold" else None
-            rank = self.workers.spawn(attempt, local_rank, warm)
-            self.hub.track(rank.proc.pid, now, stacks=warm is not None)  # the pool armed it
-            sources["warm" if warm else "fresh"].append(rank.rank)
+            rank = self.workers.spawn(attempt, local_rank, template)
+            self.hub.track(rank.proc.pid, now, stacks=rank.forked)  # the template armed it
+            sources["forked" if rank.forked else "fresh"].append(rank.rank)
         self.first_failure = None
-        self.pool_fill_at = now + self.config.warm_pool_after  # or at every rank's first beat
+        self.warm_up_at = now + WARM_UP_AFTER  # or at every rank's first beat
         self._enter(Phase.RUNNING)
         if self.recovery is not None:
             self.recovery.mark("spawn")
@@ -603,6 +627,14 @@ class Agent:
         return [node_policy.Survivor(r.proc.pid, r.rank, self.hub.restartable(r.proc.pid),
                                      self.hub.parked(r.proc.pid)) for r in self.workers.alive()]
 
+    def _ready_to_start(self) -> bool:
+        """Nothing the ranks must wait for: no shard being pulled, no dead rank's GPU
+        memory still held, no rank template still importing."""
+        return not (self.fetching or self._template_starting() or self._gpu_memory_held())
+
+    def _template_starting(self) -> bool:
+        return self.template is not None and self.template.starting and self.policy != "cold"
+
     def _gpu_memory_held(self) -> bool:
         """Do dead ranks still hold GPU memory? (Their CUDA contexts tear down after the
         process is reaped; a replacement must not start on a GPU whose memory is taken.)"""
@@ -621,9 +653,7 @@ class Agent:
     # --- plumbing ------------------------------------------------------------------------
 
     def _warm_up(self) -> None:
-        """Off the training path: refill the warm pool, and prepare the next attempt's store."""
-        if self.pool is not None:
-            self.pool.fill(range(self.plan.local_world_size))
+        """Off the training path: prepare the next attempt's store."""
         if (self.spare_store is None and self.assignment is not None
                 and self.assignment.group_rank == 0 and self.plan.store_port() == 0):
             self.spare_store = self.io.new_store(self.plan.addr, 0)

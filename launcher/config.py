@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from launcher import UsageError
+from launcher.rank_template import DEFAULT_PRELOAD
 from launcher.recovery import RESTART_POLICIES
-from launcher.warm_pool import DEFAULT_PRELOAD
 
 TORCHRUN = "torchrun-compatible options"
 RECOVERY = "fault tolerance"
@@ -64,8 +64,10 @@ class LaunchConfig:
                              "never recovers).")
     monitor_interval: float = _opt(0.1, "Accepted for compatibility: ftlaunch reacts to rank exits "
                                    "at once instead of polling.")
-    start_method: str = _opt("spawn", "Accepted for compatibility: ranks are always fresh "
-                             "processes.", choices=START_METHODS)
+    start_method: str = _opt("forkserver", "How ranks start: 'forkserver' (or 'fork') forks "
+                             "each from the node's rank template, which imported --preload "
+                             "once; 'spawn' starts each as a fresh interpreter (for scripts "
+                             "that must not inherit preloaded modules).", choices=START_METHODS)
     role: str = _opt("default", "Role name given to the ranks (ROLE_NAME).")
     module: bool = _opt(False, "Run the script as a module: python -m SCRIPT.", short="-m")
     no_python: bool = _opt(False, "Run SCRIPT as an executable instead of a Python file.")
@@ -81,19 +83,16 @@ class LaunchConfig:
     # --- ftlaunch's own ------------------------------------------------------------------
     restart_policy: str = _opt("rank", "First rung of the recovery ladder: 'rank' replaces only "
                                "failed ranks (survivors using trainer_shim re-enter in place), "
-                               "'job' replaces every rank from the warm pool, 'cold' starts "
-                               "fresh interpreters.", group=RECOVERY, choices=RESTART_POLICIES)
+                               "'job' replaces every rank with forks of the rank template, "
+                               "'cold' starts fresh interpreters.", group=RECOVERY, choices=RESTART_POLICIES)
     max_stalled_recoveries: int = _opt(3, "Recoveries in a row without a new step (reported by "
                                        "trainer_shim.heartbeat) before the job stops with exit "
                                        "code 3, do not requeue; 0 = never.", group=RECOVERY)
-    no_warm_pool: bool = _opt(False, "Do not keep idle interpreters with torch imported to "
-                              "replace failed ranks.", group=RECOVERY)
-    preload: str = _opt(DEFAULT_PRELOAD, "Modules the warm pool imports ahead of time.",
-                        group=RECOVERY)
-    warm_pool_after: float = _opt(30.0, "Seconds after the ranks start before the warm pool "
-                                  "fills, when they do not all heartbeat through trainer_shim "
-                                  "sooner (the pool must not compete with their start-up).",
-                                  group=RECOVERY)
+    no_warm_pool: bool = _opt(False, "Start every rank as a fresh interpreter, never forked "
+                              "from the rank template (as --start-method spawn).",
+                              group=RECOVERY)
+    preload: str = _opt(DEFAULT_PRELOAD, "Modules the rank template imports once, before it "
+                        "forks the ranks.", group=RECOVERY)
     ckpt_replicas: int = _opt(1, "Peer nodes that keep a copy of each node's staged "
                               "checkpoint shards in their shared memory: a lost node's ranks "
                               "then restore from a peer's memory, not storage; 0 = none "
@@ -237,6 +236,10 @@ class LaunchConfig:
             result[name.strip()] = seconds
         return result
 
+    def forks_ranks(self) -> bool:
+        """Whether ranks are forked from the rank template (else fresh interpreters)."""
+        return not (self.no_warm_pool or self.no_python or self.start_method == "spawn")
+
     def preload_modules(self) -> list[str]:
         return [m.strip() for m in self.preload.split(",") if m.strip()]
 
@@ -308,7 +311,7 @@ class LaunchConfig:
                      "stop_timeout",
                      "exit_barrier_timeout", "monitor_interval", "hang_timeout",
                      "hang_timeout_factor", "startup_timeout", "health_interval",
-                     "gpu_release_timeout", "warm_pool_after"):
+                     "gpu_release_timeout"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 0 seconds")
         for f in dataclasses.fields(self):

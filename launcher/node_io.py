@@ -1,7 +1,8 @@
 """The agent's edges to the world, and the one wait of its loop.
 
 ``NodeIO`` owns every socket, pipe, process and thread the agent talks to: the control
-plane, the ranks' hub, the rank processes, the warm pool, the GPU health monitor, signals.
+plane, the ranks' hub, the rank processes, the rank template, the GPU health monitor,
+signals.
 ``poll`` waits on all of them at once and turns what is readable into events for the
 agent's state machine (``launcher/agent.py``), which never touches a file descriptor.
 """
@@ -27,8 +28,8 @@ from launcher.node_plan import NodePlan
 from launcher.orphan_guard import OrphanGuard
 from launcher.rank_env import pre_import_env
 from launcher.rank_hub import RankHub
+from launcher.rank_template import RankTemplate, TemplateNews
 from launcher.store import AgentStore
-from launcher.warm_pool import WarmPool
 from launcher.workers import RankExit, WorkerGroup, rank_preexec_fn
 
 
@@ -48,16 +49,12 @@ class GpuFound:
 
 
 @dataclass(frozen=True)
-class PoolWarm:
-    seconds: float  # how long the pool's processes took to import
-
-
-@dataclass(frozen=True)
 class ReplicaNews:
     news: list[replica_service.News]  # transfers of checkpoint shards that ended
 
 
-Event = Envelope | RankExit | RanksSpoke | SignalArrived | GpuFound | PoolWarm | ReplicaNews
+Event = (Envelope | RankExit | RanksSpoke | SignalArrived | GpuFound | TemplateNews
+         | ReplicaNews)
 
 
 class NodeIO:
@@ -82,9 +79,11 @@ class NodeIO:
             self.context, plan.secret, plan.node_id, plan.addr, self.staging_dir,
             bandwidth=config.replica_bandwidth * 1e6)
         self.workers = WorkerGroup(plan.program, plan.output, self.guard, self._rank_env)
-        self.pool = None if config.no_warm_pool or config.no_python else WarmPool(
-            config.preload_modules(), lambda _slot: pre_import_env(plan.local_world_size),
-            self.guard, rank_preexec_fn())
+        self.template = RankTemplate(config.preload_modules(),
+                                     pre_import_env(plan.local_world_size), self.guard,
+                                     rank_preexec_fn()) if config.forks_ranks() else None
+        if self.template is not None:
+            self.template.start()  # it imports while the node joins the job
         self.new_store = AgentStore
         self.capture_stacks = stacks.capture
         self._poller = zmq.Poller()
@@ -109,10 +108,8 @@ class NodeIO:
                     yield SignalArrived(signum)
             elif self.health is not None and fd == self.health.fd:
                 yield GpuFound(self.health.findings())
-            elif self.pool is not None and fd in self.pool.fds():
-                seconds = self.pool.on_readable(fd)
-                if seconds is not None:
-                    yield PoolWarm(seconds)
+            elif self.template is not None and fd == self.template.fd:
+                yield from self.template.on_readable()
             else:
                 exit_ = self.workers.on_readable(fd)
                 if exit_ is not None:
@@ -120,8 +117,10 @@ class NodeIO:
         self._sync_poller()
 
     def _sync_poller(self) -> None:
-        """Poll exactly the live ranks' pidfds and output pipes, and warming pool processes."""
-        wanted = set(self.workers.fds()) | set(self.pool.fds() if self.pool else ())
+        """Poll exactly the live ranks' pidfds and output pipes, and the rank template."""
+        wanted = set(self.workers.fds())
+        if self.template is not None and self.template.fd is not None:
+            wanted.add(self.template.fd)
         for fd in self._polled - wanted:
             self._poller.unregister(fd)
         for fd in wanted - self._polled:
@@ -153,8 +152,8 @@ class NodeIO:
         self._persist_staged()
         if self.health is not None:
             self.health.close()
-        if self.pool is not None:
-            self.pool.close()
+        if self.template is not None:
+            self.template.close()
         self.hub.close()
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)

@@ -12,6 +12,7 @@ import ctypes
 import functools
 import os
 import select
+import shlex
 import signal
 import subprocess
 import time
@@ -24,7 +25,7 @@ from launcher.config import StreamMode
 from launcher.orphan_guard import OrphanGuard
 from launcher.rank_env import Attempt, rank_command, rank_env
 from launcher.rank_output import Pump, RankStreams
-from launcher.warm_pool import PoolProcess
+from launcher.rank_template import ForkedRank, RankTemplate
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -56,12 +57,13 @@ def die_with_agent(agent_pid: int) -> Callable[[], None]:
 class Rank:
     local_rank: int
     rank: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedRank
     pidfd: int
     error_file: str
     pumps: list[Pump] = field(default_factory=list)
     cause: str | None = None  # set when the agent kills it (a hang), else read from the exit
     returncode: int | None = None
+    forked: bool = False  # from the rank template (else a fresh interpreter)
 
 
 @dataclass(frozen=True)
@@ -116,25 +118,29 @@ class WorkerGroup:
         env.update(self._extra_env(rank_dir))
         return env, rank_dir
 
-    def spawn(self, attempt: Attempt, local_rank: int, pool_process: PoolProcess | None) -> Rank:
-        """Start ``local_rank``: a fresh interpreter, or the warm ``pool_process`` told to become it."""
+    def spawn(self, attempt: Attempt, local_rank: int, template: RankTemplate | None) -> Rank:
+        """Start ``local_rank``: forked from the rank ``template`` when it can, else a fresh
+        interpreter."""
         rank = attempt.rank_offset + local_rank
         env, rank_dir = self.env(attempt, local_rank)
         streams = RankStreams(rank, rank_dir, self._output.modes[local_rank],
                               local_rank in self._output.console)
-        if pool_process is None:
+        proc: subprocess.Popen | ForkedRank | None = None
+        if template is not None:
+            command = self._program.command()
+            proc = template.fork([self._program.script, *self._program.args], env, os.getcwd(),
+                                 self._program.module, *streams.child_fds(),
+                                 title=f"ftlaunch rank {rank}: {shlex.join(command)}",
+                                 name=f"rank{rank}-{Path(self._program.script).name}")
+        if proc is None:
             proc = subprocess.Popen(
                 self._program.command(), env=env, stdin=subprocess.DEVNULL, close_fds=True,
                 preexec_fn=rank_preexec_fn(), **streams.popen_kwargs)
             self._guard.watch(proc.pid)
-        else:
-            proc = pool_process.proc
-            pool_process.become([self._program.script, *self._program.args], env, os.getcwd(),
-                                self._program.module, *streams.child_fds())
         streams.after_spawn()
-        pidfd = os.pidfd_open(proc.pid)
+        pidfd = _pidfd(proc.pid)
         self.ranks[pidfd] = Rank(local_rank, rank, proc, pidfd, env["TORCHELASTIC_ERROR_FILE"],
-                                 streams.pumps)
+                                 streams.pumps, forked=isinstance(proc, ForkedRank))
         self._pumps.update((p.fd, p) for p in streams.pumps)
         return self.ranks[pidfd]
 
@@ -232,6 +238,17 @@ class WorkerGroup:
             failure = failures.from_returncode(rank.rank, rank.local_rank, rank.proc.pid,
                                                rank.returncode, rank.error_file, rank.cause)
         return RankExit(rank.proc.pid, rank.rank, rank.local_rank, rank.returncode, failure)
+
+
+def _pidfd(pid: int) -> int:
+    """A descriptor readable once ``pid`` has exited. A forked rank can exit and be reaped
+    by its template before we open one: then a pipe already at its end stands in."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        gone, writer = os.pipe()
+        os.close(writer)
+        return gone
 
 
 def _killpg(pgid: int, sig: int) -> None:

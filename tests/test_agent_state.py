@@ -45,6 +45,7 @@ class FakeRank:
     cause: str | None = None
     returncode: int | None = None
     dead: int | None = None  # exit status once the process is gone (not reaped before)
+    forked: bool = False
     signals: list[int] = field(default_factory=list)
 
 
@@ -57,7 +58,7 @@ class FakeWorkers:
         self.next_pid = 1000
         self.may_spawn = lambda: True
 
-    def spawn(self, attempt, local_rank, warm) -> FakeRank:
+    def spawn(self, attempt, local_rank, template) -> FakeRank:
         assert self.may_spawn(), "a rank started while its shards were still being pulled"
         previous = [r for r in self.ranks.values() if r.local_rank == local_rank]
         assert all(r.returncode is not None for r in previous), \
@@ -254,7 +255,7 @@ class AgentMachine(RuleBasedStateMachine):
         store = SimpleNamespace(port=29500, close=lambda: None)
         self.agent.attach(SimpleNamespace(
             control=self.control, hub=self.hub, workers=self.workers, events=self.events,
-            health=self.health, pool=None, new_store=lambda addr, port: store,
+            health=self.health, template=None, new_store=lambda addr, port: store,
             replicas=self.replicas,
             capture_stacks=lambda pid, path, method, armed: "not captured"))
         self.epoch = 0

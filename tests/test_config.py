@@ -55,7 +55,6 @@ VALID = {
     "max_stalled_recoveries": 5,
     "no_warm_pool": True,
     "preload": "torch,numpy",
-    "warm_pool_after": 12.0,
     "hang_timeout": 30.0,
     "hang_timeout_factor": 4.0,
     "startup_timeout": 120.0,

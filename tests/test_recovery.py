@@ -1,4 +1,4 @@
-"""Recovery policies end to end: real ranks, real gloo, real faults, the warm pool, the shim.
+"""Recovery policies end to end: real ranks, real gloo, real faults, the rank template, the shim.
 
 Each fault hits a rank drawn at random (seeded per test, printed on failure) at a random
 step; the job must finish, resume from one consistent step, and end with exactly the
@@ -49,19 +49,15 @@ def reference(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-def _run(launch, tmp_path, *flags, shim=True, env=None, warm=False, extra=()):
-    """Start the job; with ``warm``, the fault waits until the warm pool is ready."""
-    out, logs, gate = tmp_path / "result.json", tmp_path / "logs", tmp_path / "gate"
+def _run(launch, tmp_path, *flags, shim=True, env=None, extra=()):
+    """Start the job (ranks forked from the rank template unless the flags say otherwise)."""
+    out, logs = tmp_path / "result.json", tmp_path / "logs"
     args = ["--standalone", "--nproc-per-node", str(NPROC), "--log-dir", str(logs), *flags,
             TRAIN, "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY),
             "--ckpt-dir", str(tmp_path / "ckpt"), "--out", str(out), *extra]
     if shim:
         args.append("--shim")
-    run = launch(*args, env={**(env or {}), **({"TRAIN_FAULT_GATE": str(gate)} if warm else {})})
-    if warm:
-        run.wait_for(r"warm pool ready", timeout=120)
-        gate.touch()
-    return run, out, logs
+    return launch(*args, env=env or {}), out, logs
 
 
 def _fault(request, kind):
@@ -82,10 +78,10 @@ def _pids(run, restart):
     return {rank: pids[restart] for rank, pids in seen.items() if len(pids) > restart}
 
 
-def _is_pool_process(p) -> bool:
-    """A warm-pool interpreter (a process that just exited is none: it cannot be asked)."""
+def _is_template(p) -> bool:
+    """The rank template (a process that just exited is none: it cannot be asked)."""
     try:
-        return "launcher.pool_process" in p.cmdline()
+        return "launcher.template_process" in " ".join(p.cmdline())
     except psutil.Error:
         return False
 
@@ -106,14 +102,14 @@ HANG_FAULTS = ["stop", "hang", "spin"]
 @pytest.mark.parametrize("kind", SHIM_FAULTS + HANG_FAULTS)
 def test_rank_policy_replaces_only_the_failed_rank(kind, request, tmp_path, launch, reference):
     """Default policy with the shim: survivors re-enter in place (same pid), only a dead or
-    hung rank's process is replaced, from the warm pool."""
+    hung rank's process is replaced, forked from the rank template."""
     rank, step, env = _fault(request, kind)
-    # Not tighter: on 2 loaded cores a healthy step can stall for seconds while the warm pool
-    # refills after the recovery (CI saw 2.3 s), and would be taken for a hang.
+    # Not tighter: on 2 loaded cores a healthy step can stall for seconds (CI saw 2.3 s
+    # while a warm pool refilled), and would be taken for a hang.
     flags = ["--hang-timeout", "5"] if kind in HANG_FAULTS else []
     if kind == "spin":  # the fallback: faulthandler answers even while the rank holds the GIL
         flags += ["--stack-dump", "faulthandler"]
-    run, out, logs = _run(launch, tmp_path, *flags, env=env, warm=True)
+    run, out, logs = _run(launch, tmp_path, *flags, env=env)
     assert run.finish(180) == 0, run.output
     context = f"fault {kind} rank {rank} step {step}\n{run.output}"
     _check_result(out, reference, step, context)
@@ -128,9 +124,9 @@ def test_rank_policy_replaces_only_the_failed_rank(kind, request, tmp_path, laun
         assert after[rank] != before[rank], context
         assert all(after[r] == before[r] for r in survivors), f"survivors kept their process; {context}"
         assert sorted(recovered[0]["resumed"]) == survivors, context
-        assert recovered[0]["warm"] == [rank], f"the replacement came from the warm pool; {context}"
+        assert recovered[0]["forked"] == [rank], f"the replacement was forked; {context}"
     else:  # asleep for good: its peer blocked in a collective on it looks the same; both go
-        assert after[rank] != before[rank] and rank in recovered[0]["warm"], context
+        assert after[rank] != before[rank] and rank in recovered[0]["forked"], context
         assert not recovered[0]["fresh"], context
     if kind in HANG_FAULTS:
         hung = [e["rank"] for e in _events(logs) if e["event"] == "rank_hung"]
@@ -141,34 +137,36 @@ def test_rank_policy_replaces_only_the_failed_rank(kind, request, tmp_path, laun
 
 
 @pytest.mark.parametrize("kind", ["kill", "exception"])
-def test_job_policy_replaces_every_rank_from_the_warm_pool(kind, request, tmp_path, launch,
-                                                          reference):
+def test_job_policy_replaces_every_rank_by_forks(kind, request, tmp_path, launch, reference):
     rank, step, env = _fault(request, kind)
-    run, out, logs = _run(launch, tmp_path, "--restart-policy", "job", env=env, warm=True)
+    run, out, logs = _run(launch, tmp_path, "--restart-policy", "job", env=env)
     assert run.finish(180) == 0, run.output
     context = f"fault {kind} rank {rank} step {step}\n{run.output}"
     _check_result(out, reference, step, context)
     recovered = [e for e in _events(logs) if e["event"] == "recovered"]
     assert [e["policy"] for e in recovered] == ["job"], context
-    assert sorted(recovered[0]["warm"]) == list(range(NPROC)), context
+    assert sorted(recovered[0]["forked"]) == list(range(NPROC)), context
     before, after = _pids(run, 0), _pids(run, 1)
     assert all(after[r] != before[r] for r in range(NPROC)), context
 
 
-def test_unmodified_script_restarts_from_the_warm_pool(request, tmp_path, launch, launcher_env,
-                                                      reference):
-    """No shim at all (a plain torchrun script): the default policy replaces every rank with a
-    warm interpreter, and the pool's processes are gone when the job ends (the fixture checks)."""
+def test_unmodified_script_restarts_forked_from_the_template(request, tmp_path, launch,
+                                                            launcher_env, reference):
+    """No shim at all (a plain torchrun script): the default policy replaces every rank by
+    forks of the node's one rank template, which is gone when the job ends (the fixture
+    checks)."""
     rank, step, env = _fault(request, "kill")
-    run, out, logs = _run(launch, tmp_path, "--warm-pool-after", "2", shim=False, env=env,
-                          warm=True)
-    pool = [p for p in tagged_processes(launcher_env[TAG_VAR]) if _is_pool_process(p)]
-    assert len(pool) == NPROC, "one idle interpreter per local rank"
+    run, out, logs = _run(launch, tmp_path, shim=False, env=env)
+    run.wait_for(r"started 2 ranks", timeout=120)
+    templates = [p for p in tagged_processes(launcher_env[TAG_VAR]) if _is_template(p)]
+    assert len(templates) == 1, "one rank template per node"
     assert run.finish(180) == 0, run.output
     context = f"fault kill rank {rank} step {step}\n{run.output}"
     _check_result(out, reference, step, context)
+    started = [e for e in _events(logs) if e["event"] == "started"]
+    assert started, context
     recovered = [e for e in _events(logs) if e["event"] == "recovered"]
-    assert sorted(recovered[0]["warm"]) == list(range(NPROC)), context
+    assert sorted(recovered[0]["forked"]) == list(range(NPROC)), context
     assert recovered[0]["resumed"] == [], context
 
 
@@ -200,13 +198,13 @@ def test_survivor_that_cannot_leave_its_training_function_is_replaced(tmp_path, 
     --stop-timeout the agent escalates for that rank and replaces it too."""
     env = {"TRAIN_FAULT_RANK": "1", "TRAIN_FAULT_STEP": "10", "TRAIN_FAULT_KIND": "kill",
            "TRAIN_STUCK_RANK": "0"}
-    run, out, logs = _run(launch, tmp_path, "--stop-timeout", "1", env=env, warm=True)
+    run, out, logs = _run(launch, tmp_path, "--stop-timeout", "1", env=env)
     assert run.finish(180) == 0, run.output
     _check_result(out, reference, 10, run.output)
     escalated = [e for e in _events(logs) if e["event"] == "escalated"]
     assert escalated and escalated[0]["ranks"] == [0], run.output
     recovered = [e for e in _events(logs) if e["event"] == "recovered"]
-    assert recovered[0]["resumed"] == [] and sorted(recovered[0]["warm"]) == [0, 1], run.output
+    assert recovered[0]["resumed"] == [] and sorted(recovered[0]["forked"]) == [0, 1], run.output
 
 
 def test_shim_is_a_no_op_without_an_agent(tmp_path):
@@ -225,9 +223,8 @@ def test_rank_policy_across_two_nodes(request, tmp_path, launch, reference):
     the other node's rank re-enters in place and both resume from one checkpoint."""
     from test_multinode import _free_port, _wait_listening
 
-    port, out, gate = _free_port(), tmp_path / "result.json", tmp_path / "gate"
-    env = {"TRAIN_FAULT_RANK": "1", "TRAIN_FAULT_STEP": "10", "TRAIN_FAULT_KIND": "kill",
-           "TRAIN_FAULT_GATE": str(gate)}
+    port, out = _free_port(), tmp_path / "result.json"
+    env = {"TRAIN_FAULT_RANK": "1", "TRAIN_FAULT_STEP": "10", "TRAIN_FAULT_KIND": "kill"}
     nodes = []
     for _ in range(2):
         nodes.append(launch("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
@@ -237,17 +234,14 @@ def test_rank_policy_across_two_nodes(request, tmp_path, launch, reference):
                             "--out", str(out), "--shim", env=env))
         if len(nodes) == 1:
             _wait_listening(port)
-    for node in nodes:
-        node.wait_for(r"warm pool ready", timeout=120)
-    gate.touch()
     codes = [node.finish(180) for node in nodes]
     both = "\n".join(n.output for n in nodes)
     assert codes == [0, 0], both
     _check_result(out, reference, 10, both)
-    restarts = [re.search(r"restart 1 \(rank\): .*ranks (resumed|warm) \[(\d)\]", n.output)
+    restarts = [re.search(r"restart 1 \(rank\): .*ranks (resumed|forked) \[(\d)\]", n.output)
                 for n in nodes]
     assert all(restarts), both
-    assert {(m.group(1), m.group(2)) for m in restarts} == {("resumed", "0"), ("warm", "1")}, both
+    assert {(m.group(1), m.group(2)) for m in restarts} == {("resumed", "0"), ("forked", "1")}, both
 
 
 def test_replacement_resumes_from_shared_memory_and_the_agent_persists_on_exit(
@@ -257,7 +251,7 @@ def test_replacement_resumes_from_shared_memory_and_the_agent_persists_on_exit(
     both at the last save before the fault, bit-exactly; when the job ends, the agent makes
     the ranks' last staged steps durable, then frees the staging memory."""
     rank, step, env = _fault(request, "kill")
-    run, out, logs = _run(launch, tmp_path, env=env, warm=True,
+    run, out, logs = _run(launch, tmp_path, env=env,
                           extra=["--async-ckpt", "--persist-every", "1000"])
     assert run.finish(180) == 0, run.output
     context = f"fault kill rank {rank} step {step}\n{run.output}"
@@ -306,7 +300,7 @@ def test_commits_are_announced_once_every_rank_is_durable(request, tmp_path, lau
     agents relay, the coordinator announces a step once both ranks hold it; a replacement
     starts knowing the newest one (RestartContext.resume_step)."""
     rank, step, env = _fault(request, "kill")
-    run, out, logs = _run(launch, tmp_path, env=env, warm=True, extra=["--async-ckpt"])
+    run, out, logs = _run(launch, tmp_path, env=env, extra=["--async-ckpt"])
     assert run.finish(180) == 0, run.output
     context = f"fault kill rank {rank} step {step}\n{run.output}"
     _check_result(out, reference, step, context)
