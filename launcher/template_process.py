@@ -118,9 +118,9 @@ def _fresh_interpreter_state() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.seed()
-        threads = os.environ.get("OMP_NUM_THREADS", "")
-        if threads.isdigit() and int(threads) > 0:
-            torch.set_num_threads(int(threads))
+        threads = os.environ.get("OMP_NUM_THREADS", "")  # else OpenMP's default: our cores
+        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0
+                              else len(os.sched_getaffinity(0)))
 
 
 def set_title(title: str, name: str) -> None:
@@ -193,6 +193,7 @@ def serve(sock: socket.socket) -> None:
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     started = time.monotonic()
+    os.environ["OMP_NUM_THREADS"] = "1"  # else importing torch starts OpenMP's threads
     preload([*OWN_PRELOAD, *sys.argv[2:]])
     unsafe = fork_unsafe()
     if unsafe is not None:

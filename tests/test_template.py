@@ -110,9 +110,11 @@ SLEEPER = """
 """
 
 
-def _template(tag):
-    found = [p for p in tagged_processes(tag)
-             if "launcher.template_process" in " ".join(p.cmdline())]
+def _template(tag, agent):
+    """The template: the agent's child with that command line (a rank forked a moment ago
+    has it too, until it takes its own)."""
+    found = [p for p in tagged_processes(tag) if p.ppid() == agent.pid
+             and "launcher.template_process" in " ".join(p.cmdline())]
     assert len(found) == 1, found
     return found[0]
 
@@ -120,7 +122,7 @@ def _template(tag):
 def test_the_template_dies_with_its_agent(tmp_path, launch, launcher_env):
     run = launch("--standalone", "--nproc-per-node", "2", _write(tmp_path / "s.py", SLEEPER))
     run.wait_for(r"\[rank1\]: up 1")
-    template = _template(launcher_env[TAG_VAR])
+    template = _template(launcher_env[TAG_VAR], run.proc)
     run.proc.kill()
     run.finish()
     assert not template.is_running() or template.status() == psutil.STATUS_ZOMBIE
@@ -139,7 +141,7 @@ def test_a_template_that_dies_is_started_again(tmp_path, launch, launcher_env):
     run = launch("--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
                  "--restart-backoff", "0", script)
     run.wait_for(r"\[rank1\]: up 1 0")
-    first = _template(launcher_env[TAG_VAR])
+    first = _template(launcher_env[TAG_VAR], run.proc)
     first.send_signal(signal.SIGKILL)
     assert run.finish(120) == 0, run.output
     events = _events(tmp_path)
@@ -155,7 +157,7 @@ def test_start_method_spawn_starts_fresh_interpreters(tmp_path, launch, launcher
     run.wait_for(r"\[rank1\]: up 1")
     procs = tagged_processes(launcher_env[TAG_VAR])
     assert not [p for p in procs if "launcher.template_process" in " ".join(p.cmdline())]
-    ranks = sorted(p.environ().get("RANK", "") for p in procs)
-    assert ranks == ["", "0", "1"], "the agent, and two ranks whose environ says who they are"
+    ranks = sorted(rank for p in procs if (rank := p.environ().get("RANK")))
+    assert ranks == ["0", "1"], "two ranks, whose /proc/PID/environ says who they are"
     run.proc.send_signal(signal.SIGTERM)
     run.finish(60)

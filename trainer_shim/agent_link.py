@@ -127,7 +127,12 @@ class AgentLink:
         poller = zmq.Poller()
         poller.register(self._commands, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        while True:
+        while True:  # ticks first: a rank frozen in its first half second is still seen
+            now = time.monotonic()
+            if now >= self._next_tick:
+                self._next_tick = now + TICK_INTERVAL
+                with contextlib.suppress(zmq.Again):
+                    self._commands.send(pack_local(Tick(pid=self.pid, sent=now)), zmq.NOBLOCK)
             ready = dict(poller.poll(int(TICK_INTERVAL * 1000)))
             if self._wake_r in ready:
                 return
@@ -144,11 +149,6 @@ class AgentLink:
                     with self._abort_lock:
                         if self._in_training:
                             _set_async_exc(self._training_thread, RestartRequested)
-            now = time.monotonic()
-            if now >= self._next_tick:
-                self._next_tick = now + TICK_INTERVAL
-                with contextlib.suppress(zmq.Again):
-                    self._commands.send(pack_local(Tick(pid=self.pid, sent=now)), zmq.NOBLOCK)
 
 
 def _set_async_exc(thread_id: int | None, exc: type[BaseException] | None) -> None:
