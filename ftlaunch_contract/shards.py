@@ -14,11 +14,11 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgpack
 
+from ftlaunch_contract.parallel import Parallel
 from ftlaunch_contract.storage import Storage
 
 FORMAT = 2
@@ -170,16 +170,12 @@ class _Digest:
     wherever there are cores for it, instead of one core's 1.4 GB/s bounding a shard."""
 
     def __init__(self, data: memoryview):
-        threads = max(1, min(HASH_THREADS, len(os.sched_getaffinity(0))))
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ftlaunch-ckpt-hash")
-        self._blocks = [self._pool.submit(_sha256, data[i:i + BLOCK])
-                        for i in range(0, len(data), BLOCK)]
+        threads = min(HASH_THREADS, len(os.sched_getaffinity(0)))
+        self._blocks = Parallel(_sha256, [data[i:i + BLOCK] for i in range(0, len(data), BLOCK)],
+                                threads, name="ftlaunch-ckpt-hash")
 
     def result(self) -> list[bytes]:
-        try:
-            return [block.result() for block in self._blocks]
-        finally:
-            self._pool.shutdown(cancel_futures=True)
+        return self._blocks.result()
 
 
 def _sha256(data: memoryview) -> bytes:

@@ -18,9 +18,10 @@ import errno
 import mmap
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
+
+from ftlaunch_contract.parallel import Parallel
 
 PART = 8 << 20  # the S3 client's multipart upload part size
 DIRECT_MIN = 64 << 20  # objects at least this large are written with O_DIRECT streams
@@ -217,13 +218,12 @@ def _write_direct(path: Path, data: memoryview) -> bool:
     try:
         with contextlib.suppress(OSError):  # reserves the extent where the fs can
             os.posix_fallocate(fd, 0, len(data))
-        with ThreadPoolExecutor(STREAMS, thread_name_prefix="ftlaunch-write") as pool:
-            try:
-                list(pool.map(write_chunk, range(0, aligned, CHUNK)))
-            except OSError as e:
-                if e.errno == errno.EINVAL:  # O_DIRECT opened, but refused our alignment
-                    return False
-                raise
+        try:
+            Parallel(write_chunk, range(0, aligned, CHUNK), STREAMS, name="ftlaunch-write").result()
+        except OSError as e:
+            if e.errno == errno.EINVAL:  # O_DIRECT opened, but refused our alignment
+                return False
+            raise
         if aligned < len(data):
             tail = os.open(path, os.O_WRONLY)
             try:

@@ -59,7 +59,7 @@ def rank_env(attempt: Attempt, local_rank: int, error_file: str,
 
 
 def pre_import_env(local_world_size: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The agent's environment plus what a rank's imports already read (the warm pool's)."""
+    """The agent's environment plus what a rank's imports already read (the rank template's)."""
     env = dict(os.environ if base is None else base)
     if local_world_size > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: ranks must not oversubscribe cores

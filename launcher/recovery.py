@@ -10,7 +10,7 @@ class Policy(StrEnum):
     """The rungs of the recovery ladder, cheapest first."""
 
     RANK = "rank"  # replace only the failed rank; survivors re-enter in place
-    JOB = "job"  # replace every rank, from the warm pool
+    JOB = "job"  # replace every rank, by forks of the rank template
     COLD = "cold"  # replace every rank with a fresh interpreter
 
 

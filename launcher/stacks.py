@@ -2,7 +2,7 @@
 
 py-spy reads the process from outside, so it works on a rank spinning with the GIL held;
 faulthandler is the fallback every rank started by ftlaunch has armed (trainer_shim or the
-warm pool registers it on ``STACK_SIGNAL``), and it too runs without the GIL.
+rank template registers it on ``STACK_SIGNAL``), and it too runs without the GIL.
 """
 
 from __future__ import annotations

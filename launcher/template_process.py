@@ -162,11 +162,11 @@ def serve(sock: socket.socket) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     me = os.getpid()
     while True:
-        readable, _, _ = select.select([sock, wake_r], [], [])
+        readable, _, _ = select.select([sock.fileno(), wake_r], [], [])
         if wake_r in readable:
             os.read(wake_r, 4096)
             _reap(sock)
-        if sock not in readable:
+        if sock.fileno() not in readable:
             continue
         data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
         if not data:

@@ -2,27 +2,30 @@
 
 Each rep starts scripts/train_gpt.py under every launcher in turn (order alternates per rep),
 reads the launcher's merged output line by line with time.monotonic() stamps, SIGKILLs rank 1
-at its first step line >= --kill-step (for ftlaunch-job and ftlaunch-rank only once ftlaunch
-said "warm pool ready": the steady state), ends the run --steps-after rank-0 steps after the
-recovery (SIGTERM to the launcher, SIGKILL 10 s later) and times the phases of the recovery:
+at its first step line >= --kill-step (--kill-step 1: in the first seconds of the job), ends
+the run --steps-after rank-0 steps after the recovery (SIGTERM to the launcher, SIGKILL 10 s
+later) and times the phases of the recovery:
 
     launch -> first step     start-up: import torch, rendezvous, first DDP step
-    launch -> pool ready     ftlaunch's warm pool has imported torch
+    launch -> template ready ftlaunch's rank template has imported torch
     kill -> detected         the launcher's first line about the failure
     kill -> respawned        torchrun: fork of the first new rank (its /proc start time, 10 ms
-                             ticks); ftlaunch: its "recovered" event (every rank forked, taken
-                             from the warm pool or resumed in place)
+                             ticks); ftlaunch: its "recovered" event (every rank forked from
+                             the rank template, started fresh or resumed in place)
     kill -> ranks up         first "start rank" line after the kill (init_process_group + ckpt)
     kill -> first step       first "step" line after the restart: the recovery time
 
 Launchers: torchrun (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with default settings it does not
 recover with gloo on torch 2.13, restarted workers read stale addresses from the reused
 rendezvous store, see BENCHMARKS.md), torchrun-default (reproduces that failure),
-ftlaunch-cold / ftlaunch-job (--restart-policy cold / job, unmodified script) and
-ftlaunch-rank (default policy, script run with --shim; "ftlaunch" is an alias).
+ftlaunch-cold / ftlaunch-job (--restart-policy cold / job, unmodified script),
+ftlaunch-plain (default policy, unmodified script), ftlaunch-spawn (the same with
+--start-method spawn: fresh interpreters) and ftlaunch-rank (default policy, script run with
+--shim; "ftlaunch" is an alias). Each rank's PSS (/proc/PID/smaps_rollup) is read at the
+first step: a forked rank shares the template's pages.
 
 --hang-timeouts 1,2,5: per timeout T one ftlaunch-rank run where rank 1 hangs (TRAIN_FAULT_KIND
-=hang at --kill-step, gated on the warm pool): seconds from "injecting fault hang" to
+=hang at --kill-step): seconds from "injecting fault hang" to
 ftlaunch's "hung:" line, against T. --overhead-steps N: ftlaunch with 2 ranks, N steps,
 --step-time 0, without and with --shim (heartbeats): rank 0's "time per step" of each.
 
@@ -53,35 +56,47 @@ SCRIPT = str(REPO / "scripts" / "train_gpt.py")
 START = re.compile(r"start rank (\d+) world \d+ pid (\d+) resume_from (\d+)")
 STEP = re.compile(r"step (\d+) loss \S+ rank (\d+)")
 DETECT = re.compile(r"rank \d+ was killed|closing signal|failed \(exitcode|rank \d+ hung:")
-POOL_READY = re.compile(r"warm pool ready")
+TEMPLATE_READY = re.compile(r"rank template ready")
 INJECTED = re.compile(r"injecting fault hang rank")
 HUNG = re.compile(r"ftlaunch: rank (\d+) hung: ([^;]*)")
 TIME_PER_STEP = re.compile(r"time per step ([\d.]+) ms")
 LAUNCHERS = {"torchrun": ("torchrun", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
              "torchrun-default": ("torchrun", {}),
              "ftlaunch-cold": ("cold", {}), "ftlaunch-job": ("job", {}),
+             "ftlaunch-plain": ("plain", {}), "ftlaunch-spawn": ("spawn", {}),
              "ftlaunch-rank": ("rank", {})}
 ALIASES = {"ftlaunch": "ftlaunch-rank"}
 FTLAUNCH_PHASES = ["decide", "stop", "backoff", "rendezvous", "spawn"]
 PHASES = [("launch_to_first_step", "launch -> first step"),
-          ("launch_to_pool_ready", "launch -> warm pool ready"),
+          ("launch_to_template_ready", "launch -> template ready"),
           ("kill_to_detected", "kill -> detected"),
           ("kill_to_respawned", "kill -> ranks respawned"),
           ("kill_to_ranks_up", "kill -> ranks up"),
           ("kill_to_first_step", "kill -> first step (recovery)"),
-          ("wall", "whole run")]
+          ("wall", "whole run"),
+          ("pss_mib", "PSS per rank (MiB)")]
 
 
 def launcher_command(name, nproc, run_dir, options=()):
-    """(argv up to the script's own arguments, extra env, kill only once the pool is warm)."""
+    """(argv up to the script's own arguments, extra env)."""
     how, env = LAUNCHERS[name]
     restarts = ["--nproc-per-node", str(nproc), "--max-restarts", "3"]
     if how == "torchrun":
-        return [str(BIN / "torchrun"), "--standalone", *restarts, SCRIPT], env, False
-    no_pool = ["--no-warm-pool"] if how == "cold" else []  # nothing importing meanwhile
-    argv = [str(BIN / "ftlaunch"), "--standalone", *restarts, "--restart-policy", how,
-            "--log-dir", str(run_dir), *no_pool, *options, SCRIPT]
-    return argv + ["--shim"] * (how == "rank"), env, how != "cold"
+        return [str(BIN / "torchrun"), "--standalone", *restarts, SCRIPT], env
+    policy = {"plain": "rank", "spawn": "rank"}.get(how, how)
+    fresh = ["--start-method", "spawn"] if how in ("cold", "spawn") else []
+    argv = [str(BIN / "ftlaunch"), "--standalone", *restarts, "--restart-policy", policy,
+            "--log-dir", str(run_dir), *fresh, *options, SCRIPT]
+    return argv + ["--shim"] * (how == "rank"), env
+
+
+def pss_mib(pid):
+    """Proportional set size of ``pid`` (its private pages plus its share of shared ones)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    return None
 
 
 def started_at(pid):
@@ -172,18 +187,19 @@ def read_events(run_dir):
 
 def run_once(name, args, run_dir, hang_timeout=None):
     """One job with one fault (kill -9, or a hang if ``hang_timeout``); times and facts."""
-    ckpt_dir, gate = run_dir / "ckpt", run_dir / "gate"
+    ckpt_dir = run_dir / "ckpt"
     options = ["--hang-timeout", str(hang_timeout)] if hang_timeout is not None else []
-    argv, env, wait_pool = launcher_command(name, args.nproc, run_dir, options)
+    argv, env = launcher_command(name, args.nproc, run_dir, options)
     cmd = [*argv, "--steps", str(args.steps), "--ckpt-dir", str(ckpt_dir), "--ckpt-every", "10",
            "--step-time", str(args.step_time)]
     if hang_timeout is not None:
         env = {**env, "TRAIN_FAULT_KIND": "hang", "TRAIN_FAULT_RANK": "1",
-               "TRAIN_FAULT_STEP": str(args.kill_step), "TRAIN_FAULT_GATE": str(gate)}
-    r = {"launcher": name, "completed": False, "returncode": None,
+               "TRAIN_FAULT_STEP": str(args.kill_step)}
+    r = {"launcher": name, "completed": False, "returncode": None, "pss_mib": None,
          "loadavg_1m_before": os.getloadavg()[0]}
     job = Job(cmd, env, run_dir, args.timeout)
-    t = dict.fromkeys(["first_step", "pool_ready", "kill", "detected", "ranks_up", "step_after"])
+    t = dict.fromkeys(["first_step", "template_ready", "kill", "detected", "ranks_up",
+                       "step_after"])
     victim, old_pids, respawned, steps_after = None, set(), [], 0
     for now, line in job.lines():
         start, step = START.search(line), STEP.search(line)
@@ -195,18 +211,17 @@ def run_once(name, args, run_dir, hang_timeout=None):
                 respawned.append(started_at(int(start[2])))  # read while the rank is alive
             if t["ranks_up"] is None:
                 t["ranks_up"], r["resume_from"] = now, int(start[3])
-        if t["pool_ready"] is None and POOL_READY.search(line):
-            t["pool_ready"] = now
-            if hang_timeout is not None:
-                gate.touch()  # rank 1 hangs at --kill-step only once the pool is warm
+        if t["template_ready"] is None and TEMPLATE_READY.search(line):
+            t["template_ready"] = now
         if step and t["first_step"] is None:
             t["first_step"] = now
+            sizes = [m for pid in old_pids if (m := pss_mib(pid)) is not None]
+            r["pss_mib"] = statistics.median(sizes) if sizes else None
         if hang_timeout is not None and t["kill"] is None and INJECTED.search(line):
             t["kill"], wall_at_kill = now, time.time() - (time.monotonic() - now)
             kill_boottime = time.clock_gettime(time.CLOCK_BOOTTIME) - (time.monotonic() - now)
         elif (hang_timeout is None and step and t["kill"] is None and victim is not None
-              and step[2] == "1" and int(step[1]) >= args.kill_step
-              and (t["pool_ready"] or not wait_pool)):
+              and step[2] == "1" and int(step[1]) >= args.kill_step):
             t["kill"], wall_at_kill = time.monotonic(), time.time()
             kill_boottime = time.clock_gettime(time.CLOCK_BOOTTIME)
             os.kill(victim, signal.SIGKILL)
@@ -226,7 +241,7 @@ def run_once(name, args, run_dir, hang_timeout=None):
     r["returncode"] = job.proc.returncode
     r["wall"] = time.monotonic() - job.t0
     for key, phase in (("first_step", "launch_to_first_step"),
-                       ("pool_ready", "launch_to_pool_ready")):
+                       ("template_ready", "launch_to_template_ready")):
         r[phase] = t[key] and t[key] - job.t0
     for key, phase in (("detected", "kill_to_detected"), ("ranks_up", "kill_to_ranks_up"),
                        ("step_after", "kill_to_first_step")):
@@ -247,13 +262,12 @@ def run_overhead(args, work):
     """Rank 0's time per step (ms) without and with --shim: ftlaunch, 2 ranks, no faults.
 
     The script's own figure includes the first step's lazy imports (seconds); "steady" is the
-    bench's, from the stamps of rank 0's step lines after the first 10. No warm pool: its
-    imports would compete for the CPUs."""
+    bench's, from the stamps of rank 0's step lines after the first 10."""
     result = {"steps": args.overhead_steps}
     for variant in ("plain", "shim"):
         run_dir = work / f"overhead-{variant}"
         run_dir.mkdir(parents=True)
-        cmd = [str(BIN / "ftlaunch"), "--standalone", "--nproc-per-node", "2", "--no-warm-pool",
+        cmd = [str(BIN / "ftlaunch"), "--standalone", "--nproc-per-node", "2",
                "--log-dir", str(run_dir), SCRIPT, "--steps", str(args.overhead_steps),
                "--step-time", "0", *["--shim"] * (variant == "shim")]
         result[f"{variant}_loadavg_1m_before"] = os.getloadavg()[0]
@@ -329,11 +343,11 @@ def report(runs, launchers):
                   if r["launcher"] == name and "event_recovered" in r]
         cells = [median_or_none([e["phases"].get(p) for e in events]) for p in FTLAUNCH_PHASES]
         cells.append(median_or_none([e["seconds"] for e in events]))
-        sources = sorted({"/".join(str(len(e[k])) for k in ("resumed", "warm", "fresh"))
+        sources = sorted({"/".join(str(len(e[k])) for k in ("resumed", "forked", "fresh"))
                           for e in events})
         print(f"{name:<37} " + " ".join("         -" if c is None else f"{c:10.3f}"
                                         for c in cells)
-              + f"  resumed/warm/fresh {','.join(sources) or '-'}")
+              + f"  resumed/forked/fresh {','.join(sources) or '-'}")
     medians = {name: median_or_none([r["kill_to_first_step"] for r in runs
                                      if r["launcher"] == name]) for name in launchers}
     ratios = {}
@@ -369,7 +383,7 @@ def main():
                    help="rank 1 is killed (or hangs) at its first step >= this one")
     p.add_argument("--step-time", type=float, default=0.02)
     p.add_argument("--timeout", type=float, default=300, help="per run, seconds")
-    p.add_argument("--launchers", default="torchrun,ftlaunch-cold,ftlaunch-job,ftlaunch-rank",
+    p.add_argument("--launchers", default="torchrun,ftlaunch-plain,ftlaunch-rank",
                    help=f"comma list of {', '.join(LAUNCHERS)} (ftlaunch = ftlaunch-rank)")
     p.add_argument("--hang-timeouts", default="",
                    help="comma list of --hang-timeout values: one ftlaunch-rank hang run each")

@@ -1,6 +1,6 @@
-"""The demo: 4 ranks train a tiny GPT under ftlaunch with trainer_shim; once the warm pool is
-ready one rank is killed with SIGKILL; the three survivors re-enter in place, a warm
-interpreter replaces the dead one, all resume from the last asynchronous checkpoint (from
+"""The demo: 4 ranks, forked from the node's rank template, train a tiny GPT under ftlaunch
+with trainer_shim; one rank is killed with SIGKILL; the three survivors re-enter in place, a
+new fork of the template replaces the dead one, all resume from the last asynchronous checkpoint (from
 the shared memory the agent owns, not from disk), and the job finishes.
 Run it with scripts/demo.sh."""
 
@@ -30,14 +30,13 @@ def main() -> int:
     print(f"$ ftlaunch {' '.join(cmd[3:])}\n", flush=True)
     agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    pid, killed_at, warm = None, None, False
+    pid, killed_at = None, None
     for line in agent.stdout:
         sys.stdout.write(line)
         if m := re.search(rf"\[rank{KILL_RANK}\]: start rank {KILL_RANK} .*pid (\d+)", line):
             pid = int(m.group(1))
-        warm = warm or "warm pool ready" in line
         step = re.search(rf"\[rank{KILL_RANK}\]: step (\d+) ", line)
-        if killed_at is None and pid and warm and step and int(step.group(1)) >= KILL_AT_STEP:
+        if killed_at is None and pid and step and int(step.group(1)) >= KILL_AT_STEP:
             print(f"\n>>> demo: kill -9 {pid} (rank {KILL_RANK}) at step {step.group(1)}\n",
                   flush=True)
             os.kill(pid, signal.SIGKILL)

@@ -60,6 +60,16 @@ def _run(launch, tmp_path, *flags, shim=True, env=None, extra=()):
     return launch(*args, env=env or {}), out, logs
 
 
+def _committed_so_far(log_dir):
+    """Steps committed so far, from the events written so far (whole lines only)."""
+    steps = set()
+    for path in log_dir.glob("*/events.jsonl"):
+        for line in path.read_text().splitlines(keepends=True):
+            if line.endswith("\n") and '"checkpoint_committed"' in line:
+                steps.add(json.loads(line)["step"])
+    return steps
+
+
 def _fault(request, kind):
     """A random (rank, step) for this test, reproducible from its name."""
     rng = random.Random(zlib.crc32(request.node.nodeid.encode()))
@@ -301,7 +311,14 @@ def test_commits_are_announced_once_every_rank_is_durable(request, tmp_path, lau
     agents relay, the coordinator announces a step once both ranks hold it; a replacement
     starts knowing the newest one (RestartContext.resume_step)."""
     rank, step, env = _fault(request, "kill")
-    run, out, logs = _run(launch, tmp_path, env=env, extra=["--async-ckpt"])
+    expected = (step - 1) // CKPT_EVERY * CKPT_EVERY
+    gate = tmp_path / "gate"  # the fault waits for it: until the step before it is committed
+    run, out, logs = _run(launch, tmp_path, env={**env, "TRAIN_FAULT_GATE": str(gate)},
+                          extra=["--async-ckpt"])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and expected not in _committed_so_far(logs):
+        time.sleep(0.05)  # polling a file another process appends to
+    gate.touch()
     assert run.finish(180) == 0, run.output
     context = f"fault kill rank {rank} step {step}\n{run.output}"
     _check_result(out, reference, step, context)
@@ -311,10 +328,9 @@ def test_commits_are_announced_once_every_rank_is_durable(request, tmp_path, lau
     for s in committed:
         assert all((tmp_path / "ckpt" / f"step_{s:09d}" / f"rank_{r}.meta").exists()
                    for r in range(NPROC)) or s < committed[-1] - 2 * CKPT_EVERY, context
-    expected = (step - 1) // CKPT_EVERY * CKPT_EVERY
     known = re.findall(rf"start rank {rank} world \d+ pid \d+ resume_from {expected} "
                        r"\([^)]+\) agents_committed (\S+)", run.output)
-    assert known and known[-1] in (str(expected), str(expected - CKPT_EVERY)), \
+    assert known and known[-1] == str(expected), \
         f"the replacement knew the newest committed step; {context}"
 
 

@@ -19,7 +19,6 @@ import sys
 import threading
 import weakref
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 
 from ftlaunch_contract import environment, reshard, shards
 from ftlaunch_contract.messages import ShardDurable, ShardStaged
+from ftlaunch_contract.parallel import Parallel
 from ftlaunch_contract.reshard import Box
 from ftlaunch_contract.staging import SLOTS, Slot, StagingFull, read_meta
 from ftlaunch_contract.storage import open_storage
@@ -635,8 +635,8 @@ def _stage(slot: Slot, tensors: list[torch.Tensor], sizes: list[int]) -> list[di
         offset += _aligned(size)
     threads = min(COPY_THREADS, len(os.sched_getaffinity(0)), len(copies))
     if threads > 1 and offset >= PARALLEL_COPY_MIN:
-        with ThreadPoolExecutor(threads, thread_name_prefix="ftlaunch-ckpt-stage") as pool:
-            list(pool.map(lambda pair: pair[0].copy_(pair[1]), copies))
+        Parallel(lambda pair: pair[0].copy_(pair[1]), copies, threads,
+                 name="ftlaunch-ckpt-stage").result()
     else:
         for target, source in copies:
             target.copy_(source)
