@@ -270,6 +270,7 @@ class Parked(Body):
     TYPE = "parked"
     pid: int
     error: str
+    sent: float  # its time.monotonic(): parked ranks read together are taken in this order
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -84,7 +84,7 @@ class NodeIO:
                                      rank_preexec_fn()) if config.forks_ranks() else None
         if self.template is not None:
             self.template.start()  # it imports while the node joins the job
-        self.new_store = AgentStore
+        self.new_store = lambda addr, port: AgentStore(addr, port, self.template)
         self.capture_stacks = stacks.capture
         self._poller = zmq.Poller()
         for fd in (self.control.socket, self.hub.socket, self._signal_fd, self.replicas.fd,

@@ -101,11 +101,12 @@ class RankHub:
 
     def receive(self, now: float) -> HubNews:
         """Handle every queued message; returns what the agent must act on."""
-        news = HubNews([], [])
+        news, parked = HubNews([], []), list[tuple[float, int]]()
         while True:
             try:
                 identity, data = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                news.parked.extend(pid for _, pid in sorted(parked))  # first to leave first
                 return news
             except ValueError:
                 continue  # not two frames: not from a shim
@@ -142,7 +143,7 @@ class RankHub:
                     news.staged.append((msg.rank, msg.step))
                 case Parked():
                     link.parked, link.error = True, msg.error
-                    news.parked.append(msg.pid)
+                    parked.append((msg.sent, msg.pid))
 
     def send(self, pid: int, msg: Body) -> None:
         link = self.links.get(pid)

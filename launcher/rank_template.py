@@ -129,12 +129,24 @@ class RankTemplate:
              stdout: int, stderr: int, title: str, name: str) -> ForkedRank | None:
         """A new rank, or None if the template cannot fork one now (the caller starts a
         fresh interpreter; the template's news say why)."""
+        pid = self._order({"argv": argv, "env": env, "cwd": cwd, "module": module,
+                           "title": title, "name": name}, [stdout, stderr])
+        if pid is None:
+            return None
+        self._ranks.add(pid)
+        self._guard.watch(pid)
+        return ForkedRank(pid, self)
+
+    def fork_store(self, addr: str, port: int, listening: int) -> int | None:
+        """A torch TCPStore server on the ``listening`` socket, forked (torch is imported
+        already: it serves at once); its pid, or None (the caller starts one itself)."""
+        return self._order({"store": [addr, port]}, [listening])
+
+    def _order(self, order: dict, fds: list[int]) -> int | None:
         if not self.ready or self._socket is None:
             return None
-        order = msgpack.packb({"argv": argv, "env": env, "cwd": cwd, "module": module,
-                               "title": title, "name": name})
         try:
-            socket.send_fds(self._socket, [order], [stdout, stderr])
+            socket.send_fds(self._socket, [msgpack.packb(order)], fds)
         except OSError:
             return None
         deadline = time.monotonic() + REPLY_TIMEOUT
@@ -143,10 +155,7 @@ class RankTemplate:
             if message is None:
                 break
             if "forked" in message:
-                pid = int(message["forked"])
-                self._ranks.add(pid)
-                self._guard.watch(pid)
-                return ForkedRank(pid, self)
+                return int(message["forked"])
             self._note(message)
             if not self.usable:
                 return None

@@ -9,12 +9,14 @@ heartbeats and coordinator must never stall; it dies with the agent (PR_SET_PDEA
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 
+from launcher.rank_template import RankTemplate
 from launcher.workers import die_with_agent
 
 _SERVE = """
@@ -29,22 +31,33 @@ signal.pause()
 
 
 class AgentStore:
-    """One TCPStore server, in a child process, on a socket this agent bound."""
+    """One TCPStore server, in a child process, on a socket this agent bound: forked from
+    the rank ``template`` when there is one (it serves at once), else a new interpreter
+    (it serves once torch is imported: seconds)."""
 
-    def __init__(self, addr: str, port: int = 0):
+    def __init__(self, addr: str, port: int = 0, template: RankTemplate | None = None):
         sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((addr, port))
         sock.listen(1024)
         self.addr = addr
         self.port = sock.getsockname()[1]
+        self._server: subprocess.Popen | None = None
         with sock:  # the child holds its own copy of the listening socket
-            self._server = subprocess.Popen(
-                [sys.executable, "-c", _SERVE, addr, str(self.port), str(sock.fileno())],
-                pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL, close_fds=True,
-                preexec_fn=die_with_agent(os.getpid()))
+            self._forked = template.fork_store(addr, self.port, sock.fileno()) \
+                if template is not None else None
+            if self._forked is None:
+                self._server = subprocess.Popen(
+                    [sys.executable, "-c", _SERVE, addr, str(self.port), str(sock.fileno())],
+                    pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL, close_fds=True,
+                    preexec_fn=die_with_agent(os.getpid()))
 
     def close(self) -> None:
-        """Stop serving (after the attempt's ranks are gone)."""
-        self._server.send_signal(signal.SIGKILL)
-        self._server.wait()
+        """Stop serving (after the attempt's ranks are gone); a forked server is reaped
+        by the template."""
+        if self._server is not None:
+            self._server.send_signal(signal.SIGKILL)
+            self._server.wait()
+        elif self._forked is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._forked, signal.SIGKILL)

@@ -106,6 +106,25 @@ def become(order: dict[str, Any], fds: list[int], template_pid: int) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
+def serve_store(addr: str, port: int, listening: int, template_pid: int) -> None:
+    """In a forked child: serve torch's TCPStore for one attempt on the socket the agent
+    bound, until killed (by the agent, or with the template)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != template_pid:
+        os._exit(1)
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    set_title(f"ftlaunch store {addr}:{port}", "ftlaunch-store")
+    store = TCPStore(addr, port, None, True, timedelta(seconds=300), wait_for_workers=False,
+                     master_listen_fd=listening, use_libuv=True)
+    while store is not None:
+        signal.pause()
+
+
 def _fresh_interpreter_state() -> None:
     """What a fresh interpreter has and a fork would share: Python's, numpy's and torch's
     default random state seeded from the OS (as a fresh interpreter's are: two ranks never
@@ -183,6 +202,9 @@ def serve(sock: socket.socket) -> None:
             sock.close()
             os.close(wake_r)
             os.close(wake_w)
+            if "store" in order:
+                addr, port = order["store"]
+                serve_store(addr, port, fds[0], me)
             become(order, fds, me)
             sys.exit(0)  # the script ended: exit as the interpreter would, atexit and all
         for fd in fds:

@@ -191,9 +191,12 @@ def restartable(fn: Callable[..., T]) -> Callable[..., T]:
                     _link.leave_training()
             except RestartRequested:  # an abort that landed while we were leaving anyway
                 _link.leave_training()
-            _release_process_group()
             _last_call = 0.0  # the pause until resume is not a step
+            # Parked (with this rank's own error) before the process group goes: releasing
+            # it closes the peers' connections, and their echo of it must not reach the
+            # agent first and be taken for the job's first failure.
             _link.parked(error[-4000:])
+            _release_process_group()
             os.environ.update(_link.wait_resume())
 
     return run

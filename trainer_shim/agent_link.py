@@ -88,7 +88,7 @@ class AgentLink:
         self.send(Learned(pid=self.pid, interval=interval))
 
     def parked(self, error: str) -> None:
-        self.send(Parked(pid=self.pid, error=error))
+        self.send(Parked(pid=self.pid, error=error, sent=time.monotonic()))
 
     def hello_restartable(self) -> None:
         self.restartable = True
