@@ -270,6 +270,7 @@ class Parked(Body):
     TYPE = "parked"
     pid: int
     error: str
+    step: int  # the highest step it reached (its last heartbeat's may have been throttled)
     sent: float  # its time.monotonic(): parked ranks read together are taken in this order
 
 

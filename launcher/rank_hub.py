@@ -143,6 +143,8 @@ class RankHub:
                     news.staged.append((msg.rank, msg.step))
                 case Parked():
                     link.parked, link.error = True, msg.error
+                    link.activity.step = max(link.activity.step, msg.step)
+                    self.best_step = max(self.best_step, msg.step)
                     parked.append((msg.sent, msg.pid))
 
     def send(self, pid: int, msg: Body) -> None:

@@ -66,14 +66,17 @@ def _disconnect() -> None:
 _link = _connect()
 _last_beat = 0.0  # last heartbeat sent
 _last_call = 0.0  # last heartbeat() call
+_last_step = -1  # the highest step heartbeat() was given, sent or throttled away
 _longest_interval = 0.0  # between calls: what --hang-timeout-factor learns from
 
 
 def heartbeat(step: int | None = None) -> None:
     """Tell the agent this rank is alive (and at ``step``, which measures progress)."""
-    global _last_beat, _last_call, _longest_interval
+    global _last_beat, _last_call, _longest_interval, _last_step
     if _link is None:
         return
+    if step is not None:
+        _last_step = max(_last_step, int(step))
     now = time.monotonic()
     if _last_call:
         _longest_interval = max(_longest_interval, now - _last_call)
@@ -171,7 +174,7 @@ def restartable(fn: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(fn)
     def run(*args, **kwargs) -> T:
-        global _last_call
+        global _last_call, _last_step
         if _link is None:
             return fn(RestartContext.from_env(), *args, **kwargs)
         _link.hello_restartable()
@@ -195,7 +198,8 @@ def restartable(fn: Callable[..., T]) -> Callable[..., T]:
             # Parked (with this rank's own error) before the process group goes: releasing
             # it closes the peers' connections, and their echo of it must not reach the
             # agent first and be taken for the job's first failure.
-            _link.parked(error[-4000:])
+            _link.parked(error[-4000:], _last_step)
+            _last_step = -1  # the next entry's progress is its own
             _release_process_group()
             os.environ.update(_link.wait_resume())
 

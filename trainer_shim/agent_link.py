@@ -87,8 +87,8 @@ class AgentLink:
     def learned(self, interval: float) -> None:
         self.send(Learned(pid=self.pid, interval=interval))
 
-    def parked(self, error: str) -> None:
-        self.send(Parked(pid=self.pid, error=error, sent=time.monotonic()))
+    def parked(self, error: str, step: int) -> None:
+        self.send(Parked(pid=self.pid, error=error, step=step, sent=time.monotonic()))
 
     def hello_restartable(self) -> None:
         self.restartable = True
