@@ -4,7 +4,7 @@
 # 1. the real NVML backend: every GPU's reading and findings (launcher/gpu_health.py);
 # 2. ftlaunch doctor with its NCCL smoke test;
 # 3. CUDA checkpoint staging (page-locked, asynchronous copies) round trip, timed;
-# 4. a 2-rank NCCL job that survives kill -9 of one rank (rank policy, warm pool).
+# 4. a 2-rank NCCL job that survives kill -9 of one rank (rank policy, replacement forked from the rank template).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 OUT="${1:-${OUT:-/tmp/device_check}}"
