@@ -128,7 +128,7 @@ def test_local_messages_round_trip():
     for kind, fields in [("hello", {"pid": 7, "stacks": True}), ("restartable", {"pid": 7}),
                          ("beat", {"pid": 7, "step": 3}),
                          ("section", {"pid": 7, "name": "step", "open": False}),
-                         ("parked", {"pid": 7, "error": ""}), ("abort", {}),
+                         ("parked", {"pid": 7, "error": "", "step": 5, "sent": 1.5}), ("abort", {}),
                          ("resume", {"env": {"RANK": "1"}}), ("committed", {"step": 4}),
                          ("durable", {"pid": 7, "rank": 1, "step": 4})]:
         msg = unpack_local(pack_local(LOCAL[kind](**fields)))
@@ -205,3 +205,38 @@ def test_a_checkpoint_step_commits_once_every_rank_holds_it():
     assert log.report(0, 10) is None, "older than the committed step: nothing new"
     assert log.report(3, 30) is None and log.report(-1, 30) is None, "not a rank of this world"
     assert log.committed == 20
+
+
+def test_parked_ranks_read_together_are_taken_in_the_order_they_left():
+    """A rank that raised parks before it releases its process group; the peer whose
+    collective then fails parks after it. Read in one batch, the first to leave comes
+    first (it is the failure), and the highest step either reached counts as progress."""
+    import time
+
+    import zmq
+
+    from ftlaunch_contract.messages import Parked
+    from launcher.rank_hub import RankHub
+
+    context = zmq.Context()
+    hub = RankHub(context)
+    try:
+        hub.track(1, 0.0)
+        hub.track(2, 0.0)
+        shims = []
+        for pid, sent, step in ((2, 2.0, 5), (1, 1.0, 6)):  # arrival order: 2, then 1
+            shim = context.socket(zmq.DEALER)
+            shim.connect(hub.endpoint)
+            shim.send(pack_local(Parked(pid=pid, error=f"rank {pid}", step=step, sent=sent)))
+            shims.append(shim)
+        poller = zmq.Poller()
+        poller.register(hub.socket, zmq.POLLIN)
+        news, deadline = [], time.monotonic() + 10
+        while len(news) < 2 and time.monotonic() < deadline:
+            poller.poll(100)
+            news += hub.receive(time.monotonic()).parked
+        assert news == [1, 2]
+        assert hub.best_step == 6 and hub.parked(1) and hub.error(2) == "rank 2"
+    finally:
+        hub.close()
+        context.destroy(linger=0)
