@@ -13,4 +13,4 @@ if [ "$(id -u)" = 0 ] && ! { command -v ip && command -v iptables; } >/dev/null 
 fi
 ruff check ftlaunch_contract launcher trainer_shim scripts tests
 mypy  # configured in pyproject.toml: strict on the contract and the pure decisions
-"$PY" -m pytest -q "$@"
+"$PY" -m pytest -q --durations=12 "$@"  # the slowest tests: the suite must stay under 10 min
