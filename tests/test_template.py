@@ -123,6 +123,10 @@ def test_the_template_dies_with_its_agent(tmp_path, launch, launcher_env):
     run = launch("--standalone", "--nproc-per-node", "2", _write(tmp_path / "s.py", SLEEPER))
     run.wait_for(r"\[rank1\]: up 1")
     template = _template(launcher_env[TAG_VAR], run.proc)
+    # It holds none of a rank's resources: no network socket, no staging mapping, no file.
+    assert template.net_connections(kind="inet") == []
+    assert not [m.path for m in template.memory_maps() if "ftlaunch-staging" in m.path]
+    assert [f.path for f in template.open_files()] == []
     run.proc.kill()
     run.finish()
     assert not template.is_running() or template.status() == psutil.STATUS_ZOMBIE
