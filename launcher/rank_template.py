@@ -59,16 +59,10 @@ class ForkedRank:
         self.returncode: int | None = None
         self._template = template
 
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._template.exit_code(self.pid, wait=False)
-        return self.returncode
-
     def wait(self) -> int:
         """Once the rank is gone (its pidfd said so): its exit status, as Popen's."""
         if self.returncode is None:
-            self.returncode = self._template.exit_code(self.pid, wait=True)
-        assert self.returncode is not None
+            self.returncode = self._template.exit_code(self.pid)
         return self.returncode
 
 
@@ -161,23 +155,17 @@ class RankTemplate:
                 return None
         return None
 
-    def exit_code(self, pid: int, wait: bool) -> int | None:
-        """A forked rank's exit status once the template reported it (``wait``: block,
-        boundedly, for the report). A rank whose template died died with it (SIGKILL)."""
-        deadline = time.monotonic() + (EXIT_REPORT_TIMEOUT if wait else 0.0)
+    def exit_code(self, pid: int) -> int:
+        """A forked rank's exit status, waiting (boundedly) for the template's report. A rank
+        whose template died, or never told, counts as SIGKILLed (it died with it)."""
+        deadline = time.monotonic() + EXIT_REPORT_TIMEOUT
         while pid not in self._exits and pid in self._ranks:
-            message = self._receive(block=wait, timeout=max(0.0, deadline - time.monotonic()))
-            if message is None:
-                if not wait or time.monotonic() >= deadline or self._socket is None:
-                    break
-                continue
+            message = self._receive(block=True, timeout=max(0.0, deadline - time.monotonic()))
+            if message is None:  # timed out, or the template is gone
+                break
             self._note(message)
-        if pid in self._exits:
-            return self._exits.pop(pid)
-        if pid not in self._ranks or wait:  # the template is gone, or never told us
-            self._ranks.discard(pid)
-            return -signal.SIGKILL
-        return None
+        self._ranks.discard(pid)
+        return self._exits.pop(pid, -signal.SIGKILL)
 
     def close(self) -> None:
         """Stop the template (the agent's ranks are gone by now)."""

@@ -80,11 +80,7 @@ def _thread_name(tid: str) -> str:
 def become(order: dict[str, Any], fds: list[int], template_pid: int) -> None:
     """In the forked child: be the rank as a fresh ``python -u`` would be, then run it."""
     os.setpgid(0, 0)  # its own group: stopping the rank stops its children
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != template_pid:  # the template died before prctl took effect
-        os._exit(1)
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    _leave_template(template_pid)
     for fd, target in zip(fds, (1, 2), strict=True):
         os.dup2(fd, target)
         os.close(fd)
@@ -106,6 +102,16 @@ def become(order: dict[str, Any], fds: list[int], template_pid: int) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
+def _leave_template(template_pid: int) -> None:
+    """In a forked child: die with the template (as it dies with the agent), and drop
+    what the template set up to hear of its children."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != template_pid:  # the template died before prctl took effect
+        os._exit(1)
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
 def serve_store(addr: str, port: int, listening: int, template_pid: int) -> None:
     """In a forked child: serve torch's TCPStore for one attempt on the socket the agent
     bound, until killed (by the agent, or with the template)."""
@@ -113,11 +119,7 @@ def serve_store(addr: str, port: int, listening: int, template_pid: int) -> None
 
     from torch.distributed import TCPStore
 
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != template_pid:
-        os._exit(1)
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    _leave_template(template_pid)
     set_title(f"ftlaunch store {addr}:{port}", "ftlaunch-store")
     store = TCPStore(addr, port, None, True, timedelta(seconds=300), wait_for_workers=False,
                      master_listen_fd=listening, use_libuv=True)
