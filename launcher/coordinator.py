@@ -296,8 +296,15 @@ class Coordinator:
         s.round_joined.clear()
         s.joining_since = now
         s.min_reached_at = None
-        waiting = sorted(n for n in s.members if n not in s.group_ranks)  # idle, already joined
-        s.round_joined.update(waiting[:max(0, s.max_nodes - len(s.group_ranks))])
+        self._seat_spares()
+
+    def _seat_spares(self) -> None:
+        """Idle nodes that joined already (hot spares) take the round's free seats: those
+        up to MAX that neither a node of the last round nor a joined one will fill."""
+        s = self._state
+        free = s.max_nodes - len(set(s.group_ranks) | s.round_joined)
+        waiting = sorted(n for n in s.members if n not in s.group_ranks and n not in s.round_joined)
+        s.round_joined.update(waiting[:max(0, free)])
 
     def _complete_round(self) -> None:
         s = self._state
@@ -410,3 +417,5 @@ class Coordinator:
                 self._recover_from(cause, now)
         s.expected.discard(node)
         s.expected_count = max(0, s.expected_count - 1)
+        if s.phase == RoundPhase.JOINING:  # lost while a round forms: a spare takes its seat
+            self._seat_spares()

@@ -10,6 +10,10 @@ tensors), written to --dir (a local disk by default) by each method in turn:
     dcp.async_save    torch.distributed.checkpoint.async_save (blocks for its staging)
     ftlaunch          trainer_shim.AsyncCheckpointer.save / .wait (staging in /dev/shm,
                       owned as an agent owns it)
+    ftlaunch+replica  the same while a peer copies each staged step into its memory at
+                      --replica-mbps (default: one save a minute), as --ckpt-replicas 1
+                      does: this node's replica service (a process, as the agent is) serves
+                      the staging slot; the holder (another process, "another node") pulls
 
 "blocked" is the caller's time in the save call; "durable" is until the data is fsynced
 (for async methods: until wait()/result() returns). Each method runs --reps times; medians.
@@ -28,6 +32,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -135,6 +140,76 @@ def bench_ftlaunch(state, out):
     return blocked, time.perf_counter() - t0
 
 
+class ReplicaPair:
+    """This node's replica service (serving the checkpointer's staging) and a holder that
+    pulls every offered step at a capped rate: each its own process, as agents are."""
+
+    SERVICE = """
+import sys, zmq
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from ftlaunch_contract.messages import Held, Peer
+from launcher.replica_service import ReplicaService
+service = ReplicaService(zmq.Context(), b"bench", sys.argv[2], "127.0.0.1", Path(sys.argv[3]),
+                         bandwidth=float(sys.argv[4]))
+print(service.port, flush=True)
+for line in sys.stdin:  # "offer STEP PORT"
+    step, port = map(int, line.split()[1:])
+    service.offer(Held(1, 0, step), (Peer("holder", "127.0.0.1", port),))
+service.close()
+"""
+
+    def __init__(self, staging_dir: Path, bandwidth: float):
+        from ftlaunch_contract import staging
+
+        root = str(Path(__file__).resolve().parents[1])
+        self.holder_dir = holder_dir = staging.create_dir()  # the other node's /dev/shm
+        self.procs = [subprocess.Popen([sys.executable, "-c", self.SERVICE, root, name, str(d),
+                                        str(bw)], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True)
+                      for name, d, bw in (("source", staging_dir, 0.0),
+                                          ("holder", holder_dir, bandwidth))]
+        self.holder_port = int(self.procs[1].stdout.readline())
+        self.procs[0].stdout.readline()
+
+    def offer(self, step: int) -> None:
+        self.procs[0].stdin.write(f"offer {step} {self.holder_port}\n")
+        self.procs[0].stdin.flush()
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.stdin.close()
+            proc.wait(60)
+        shutil.rmtree(self.holder_dir, ignore_errors=True)
+
+
+_REPLICAS: dict = {}
+
+
+def bench_ftlaunch_replica(state, out):
+    """A save while the previous one still streams to the holder (the worst moment)."""
+    ckpt = _checkpointer(out.parent.parent / "replica")
+    ckpt.reserve(**state).wait()
+    if ckpt not in _REPLICAS:
+        staging_dir = ckpt._slots[0]._data_path.parent
+        _REPLICAS[ckpt] = ReplicaPair(staging_dir, _REPLICA_BANDWIDTH or nbytes(state) / 60)
+        step = (ckpt.latest_step() or 0) + 1
+        ckpt.save(step, **state)  # the step that streams while the measured one saves
+        ckpt.wait()
+        _REPLICAS[ckpt].offer(step)
+    step = (ckpt.latest_step() or 0) + 1
+    t0 = time.perf_counter()
+    ckpt.save(step, **state)
+    blocked = time.perf_counter() - t0
+    ckpt.wait()
+    durable = time.perf_counter() - t0
+    _REPLICAS[ckpt].offer(step)
+    return blocked, durable
+
+
+_REPLICA_BANDWIDTH = 0.0
+
+
 def restore_ftlaunch(root: Path, state, from_storage: bool, into_existing: bool = False) -> float:
     """``into_existing``: the targets already hold tensors of the right shapes (a rank that
     re-enters in place, or a model just built); else they are empty (fresh memory)."""
@@ -167,7 +242,7 @@ def restore_torch_load(root: Path, state) -> float:
 
 METHODS = {"memcpy floor": bench_memcpy, "dd": bench_dd, "torch.save": bench_torch_save,
            "dcp.save": bench_dcp_save, "dcp.async_save": bench_dcp_async,
-           "ftlaunch": bench_ftlaunch}
+           "ftlaunch": bench_ftlaunch, "ftlaunch+replica": bench_ftlaunch_replica}
 
 
 def main() -> None:
@@ -179,7 +254,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="torch's intra-op threads (a rank under torchrun or ftlaunch has 1); "
                         "default: torch's own")
+    p.add_argument("--replica-mbps", type=float, default=0.0,
+                   help="ftlaunch+replica's copy rate, MB/s (default: the state once a minute)")
     args = p.parse_args()
+    global _REPLICA_BANDWIDTH
+    _REPLICA_BANDWIDTH = args.replica_mbps * 1e6
     if args.threads:
         torch.set_num_threads(args.threads)
     state = make_state(args.gib)
@@ -213,6 +292,8 @@ def main() -> None:
         for name, run in restores.items():
             t = statistics.median(run() for _ in range(args.reps))
             print(f"{name:<28} {t:8.3f} {nbytes(state) / t / 1e9:6.2f}", flush=True)
+    for pair in _REPLICAS.values():
+        pair.close()
     for ckpt in _CHECKPOINTERS.values():
         ckpt.close()
         shutil.rmtree(ckpt._slots[0]._data_path.parent, ignore_errors=True)

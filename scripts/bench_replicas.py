@@ -10,8 +10,9 @@ it) and persisted. Node A is then "lost"; a replacement node B restores that ran
                   from B's shared memory (what a hot spare does before its ranks start)
     local disk    load_latest from the POSIX checkpoint with the page cache dropped first
                   (SHA-256 verified, as every storage read is)
-    S3            load_latest from a local moto_server bucket (--s3; needs ftlaunch[s3]
-                  and moto)
+    S3            load_latest from a local S3 server's bucket (--s3 PATH_TO_S3RVER: the npm
+                  server s3rver, which keeps objects on disk and streams ranged GETs; needs
+                  ftlaunch[s3]). moto_server, the test suite's S3, is too slow for 1 GiB.
 
 Each path runs --reps times, alternating; medians. Times are to "state restored into the
 replacement's model" (its tensors built and initialised, as a script does before
@@ -92,7 +93,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir "
                         "on the local disk)")
-    parser.add_argument("--s3", action="store_true", help="also restore from a local moto S3")
+    parser.add_argument("--s3", metavar="S3RVER", default=None,
+                        help="also restore from a local s3rver (npm install s3rver@3.7.1; "
+                        "the path of its node_modules/.bin/s3rver)")
     parser.add_argument("--bandwidth", type=float, default=0.0,
                         help="MB/s cap for the slowdown measurement (default: --gib per minute)")
     args = parser.parse_args()
@@ -115,7 +118,7 @@ def main() -> None:
         a = NodeProcess(node_a)
         s3_uri = None
         if args.s3:
-            server, s3_uri = start_s3(shm, state)
+            server, s3_uri = start_s3(args.s3, work, shm, state)
             results["S3"] = []
         for _ in range(args.reps):
             node_b = shm / "b"
@@ -136,6 +139,7 @@ def main() -> None:
             seconds, sources["local disk"] = restore(uri, None, state)
             results["local disk"].append(seconds)
             if s3_uri:
+                drop_caches()  # s3rver serves its objects from the local disk
                 seconds, sources["S3"] = restore(s3_uri, None, state)
                 results["S3"].append(seconds)
         slowdown = replica_slowdown(context, a, shm, bandwidth * 1e6)
@@ -223,36 +227,35 @@ class NodeProcess:
         self.proc.wait(timeout=30)
 
 
-def start_s3(shm: Path, state: dict[str, torch.Tensor]) -> tuple[subprocess.Popen, str]:
-    """A local moto_server with the same checkpoint in a bucket."""
+def start_s3(s3rver: str, work: Path, shm: Path,
+             state: dict[str, torch.Tensor]) -> tuple[subprocess.Popen, str]:
+    """A local s3rver (objects on the local disk) with the same checkpoint in a bucket."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-p",
-                               str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    (work / "s3rver").mkdir()
+    server = subprocess.Popen([s3rver, "-d", str(work / "s3rver"), "-a", "127.0.0.1", "-p",
+                               str(port), "-s", "--configure-bucket", "bench"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_REGION="us-east-1",
-                      AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test")
-    import boto3
-
+                      AWS_ACCESS_KEY_ID="S3RVER", AWS_SECRET_ACCESS_KEY="S3RVER")
     deadline = time.monotonic() + 30
     while True:
         try:
-            boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"]).create_bucket(
-                Bucket="bench")
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
             break
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("s3rver did not start") from None
+            time.sleep(0.1)
     uri = "s3://bench/ckpt"
     (shm / "s3").mkdir()
     saver = AsyncCheckpointer(uri, rank=0, world_size=1, staging_dir=str(shm / "s3"))
     saver.save(7, state=state)
     saver.close()
     return server, uri
-
 
 if __name__ == "__main__":
     main()

@@ -176,3 +176,32 @@ def test_a_step_every_rank_has_a_peer_copy_of_is_announced_once():
     assert announced() == [10, 10]  # to both nodes
     coordinator._handle(b"a", Envelope(1, CONTROL["replicated"](node_id="a", rank=1, step=10)), 3)
     assert announced() == [10, 10]
+
+
+def test_a_node_lost_while_a_round_forms_gives_its_seat_to_a_waiting_spare():
+    """The usual order of a node loss: its ranks die, the peers' collectives fail and are
+    reported (a new round forms), and only then does the node's silence pass the timeout.
+    The hot spare must take the lost node's seat in that round, not wait for a next one."""
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    state = coordinator._state
+    join = CONTROL["join"](node_id="spare", local_world_size=1, addr="10.0.0.3",
+                           standby_port=4000, rank_hint=-1, replica_port=4102, held=())
+    coordinator._handle(b"spare", Envelope(0, join), 1.2)
+    coordinator._handle(b"a", Envelope(1, CONTROL["store_ready"](master_addr="10.0.0.1",
+                                                                 master_port=29500)), 1.3)
+    assert state.phase == "running" and "spare" not in state.group_ranks  # it waits
+    coordinator._handle(b"a", Envelope(1, CONTROL["failure"](
+        node_id="a", rank=0, local_rank=0, exit_code=1, signal="", cause="peer closed",
+        step=30)), 2.0)
+    assert state.phase == "joining"
+    coordinator._handle(b"a", Envelope(1, CONTROL["join"](
+        node_id="a", local_world_size=1, addr="10.0.0.1", standby_port=4000, rank_hint=0,
+        replica_port=4100, held=())), 2.1)
+    for now in (3.0, 5.0, 6.0, 7.5):  # b is silent; a and the spare are not
+        state.last_seen.update(a=now, spare=now)
+        coordinator._tick(now)
+    assert state.phase == "waiting_store", "the round never formed: the spare was left out"
+    assert sorted(state.group_ranks) == ["a", "spare"]
+    assigned = [to.decode() for to, m in socket.sent if isinstance(m.body, Assign)
+                and m.epoch == state.epoch]
+    assert sorted(assigned) == ["a", "spare"]
