@@ -308,6 +308,7 @@ class Coordinator:
 
     def _complete_round(self) -> None:
         s = self._state
+        committed = s.commits.committed  # of the last world: the newest step storage has
         s.epoch += 1
         s.expected_count = 0
         s.finished.clear()
@@ -323,7 +324,7 @@ class Coordinator:
         members = tuple(Successor(a.node_id, s.members[a.node_id].addr,
                                   s.standby_ports[a.node_id]) for a in assignments[:SUCCESSORS])
         s.phase = RoundPhase.WAITING_STORE
-        replicas = self._replicas(assignments)
+        replicas = self._replicas(assignments, committed)
         for a in assignments:
             replicate_to, fetch = replicas[a.node_id]
             self._send(s.identities[a.node_id], Assign(
@@ -332,14 +333,17 @@ class Coordinator:
                 restart_count=s.restart_count, max_restarts=s.max_restarts, members=members,
                 coordinator_node=s.host_node, replicate_to=replicate_to, fetch=fetch))
 
-    def _replicas(self, assignments: list[membership.Assignment]) -> dict[str, tuple[Peers, Fetches]]:
+    def _replicas(self, assignments: list[membership.Assignment],
+                  committed: int) -> dict[str, tuple[Peers, Fetches]]:
         """Per node: who keeps copies of its staged shards, and what it pulls from whom
-        before its ranks restore (from the shards the nodes said they hold when joining)."""
+        before its ranks restore (from the shards the nodes said they hold when joining;
+        nothing when storage has a newer step than memory)."""
         s = self._state
         ring = [(a.node_id, s.members[a.node_id].addr) for a in assignments]  # domain: host
         seats = [replica_plan.Seat(a.node_id, a.rank_offset, s.members[a.node_id].local_world_size,
                                    a.world_size) for a in assignments]
-        plan = replica_plan.fetch_plan({n: s.held.get(n, ()) for n in s.round_joined}, seats)
+        plan = replica_plan.fetch_plan({n: s.held.get(n, ()) for n in s.round_joined}, seats,
+                                       committed)
 
         def peer(node: str) -> Peer:
             return Peer(node, s.members[node].addr, s.replica_ports.get(node, 0))
@@ -353,7 +357,10 @@ class Coordinator:
         if plan:
             log.info("restoring from peers' memory: %s", {n: [(h.rank, h.step, src) for h, src in pulls]
                                                         for n, pulls in plan.items()})
-        elif any(held.values()) and replica_plan.newest_in_memory(held) is None:
+        elif (in_memory := replica_plan.newest_in_memory(held)) and in_memory[1] < committed:
+            log.info("storage has a newer step (%d) than the nodes' memory (%d): the ranks "
+                     "restore it", committed, in_memory[1])
+        elif any(held.values()) and in_memory is None:
             log.warning("no checkpoint step is whole in the memory of the %d nodes joined (a "
                         "node and the peer keeping its copies lost together?): the ranks "
                         "restore from storage", len(held))

@@ -53,14 +53,16 @@ def newest_in_memory(held: Mapping[str, Iterable[Held]]) -> tuple[int, int] | No
     return world, step
 
 
-def fetch_plan(held: Mapping[str, Iterable[Held]],
-               seats: list[Seat]) -> dict[str, list[tuple[Held, str]]]:
+def fetch_plan(held: Mapping[str, Iterable[Held]], seats: list[Seat],
+               committed: int = -1) -> dict[str, list[tuple[Held, str]]]:
     """What each seated node pulls, and from which node, so that its ranks can restore the
     newest step held in memory without storage: on the same world size its own ranks'
     shards; on another, every saved rank's (each new rank cuts its part from them).
-    Sources are spread over the holders; a node never pulls what it holds."""
+    Sources are spread over the holders; a node never pulls what it holds. Nothing when
+    storage has a newer step (``committed``): the ranks restore that one, so a pull of an
+    older step would only delay them."""
     newest = newest_in_memory(held)
-    if newest is None:
+    if newest is None or newest[1] < committed:
         return {}
     world, step = newest
     where: dict[int, list[str]] = {}

@@ -171,15 +171,20 @@ def one_run(mode: str, args, work: Path, env: dict[str, str], uri: str) -> dict:
         spare = Agent("spare", work, common, env)
         agents[0].wait_for(r"waits as a spare")
         a, b = agents
-        saved = wait_event(a, "checkpoint_committed", lambda e: e["step"] >= args.ckpt_every)
-        if mode == "peer memory":
-            wait_event(a, "checkpoint_in_memory", lambda e: e["step"] >= saved)
-        b.wait_for(rf"step {saved + 5} at ")
+        saved = args.ckpt_every
+        while True:  # a save committed (and held in A's memory) before B gets half way on
+            wait_event(a, "checkpoint_committed", saved)
+            if mode == "peer memory":
+                wait_event(a, "checkpoint_in_memory", saved)
+            kill_at = saved + args.ckpt_every // 2
+            if last_step(b) < kill_at:
+                break
+            saved += args.ckpt_every
+        b.wait_for(rf"step {kill_at} at ")
         dropped = mode != "peer memory" and drop_caches()
         killed = time.time()
         b.kill_node()
-        last = max(int(m.group(1)) for _, line in b.lines
-                   if (m := re.search(r"step (\d+) at ", line)))
+        last = last_step(b)
         restored = spare.wait_for(r"restored (\d+) from (.*) in ([\d.]+)s", timeout=600)
         first = spare.wait_for(r"step (\d+) at ([\d.]+)", timeout=300)
         trains_again = float(first.group(2)) - killed
@@ -199,14 +204,18 @@ def one_run(mode: str, args, work: Path, env: dict[str, str], uri: str) -> dict:
             agent.stop()
 
 
-def wait_event(agent: Agent, kind: str, ok, timeout: float = 600) -> int:
+def last_step(agent: Agent) -> int:
+    return max((int(m.group(1)) for _, line in list(agent.lines)
+                if (m := re.search(r"step (\d+) at ", line))), default=0)
+
+
+def wait_event(agent: Agent, kind: str, step: int, timeout: float = 600) -> None:
+    """Until ``agent`` logged ``kind`` for ``step`` or a later one."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for e in agent.events():
-            if e["event"] == kind and ok(e):
-                return int(e["step"])
+    while not any(e["event"] == kind and e["step"] >= step for e in agent.events()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {kind} of step {step} within {timeout:g}s")
         time.sleep(0.1)  # a file another process appends to: no event to wait on
-    raise TimeoutError(kind)
 
 
 def start_s3rver(path: str, work: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -232,7 +241,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0, help="state per rank")
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--ckpt-every", type=int, default=100)
+    parser.add_argument("--ckpt-every", type=int, default=200,
+                        help="steps between saves; the node is lost half way between two")
     parser.add_argument("--step-time", type=float, default=0.05)
     parser.add_argument("--node-timeout", type=float, default=2.0,
                         help="the test suite's; detection is reported on its own")

@@ -45,6 +45,15 @@ def test_holders_avoid_the_nodes_own_failure_domain():
     assert holders(ring, "a0", 3) == ["b0", "b1", "a1"]  # same domain only as a last resort
 
 
+def test_nothing_is_pulled_when_storage_has_a_newer_step_than_memory():
+    """Replicas lag a save while it streams: with step 50 committed to storage and only 40
+    whole in memory, the ranks restore 50 from storage; pulling 40 would delay them."""
+    inventories = {"a": held(2, [0], 50) + held(2, [0, 1], 40)}
+    seats = [Seat("a", 0, 1, 2), Seat("spare", 1, 1, 2)]
+    assert fetch_plan(inventories, seats, committed=50) == {}
+    assert fetch_plan(inventories, seats, committed=40) == {"spare": [(Held(2, 1, 40), "a")]}
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from("xyz"), min_size=1, max_size=8), st.integers(0, 4))
 def test_holders_property(domains, k):
