@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
+import socket
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import click
 
-from launcher import UsageError, __version__, exit_codes
+from launcher import UsageError, __version__, cluster_env, exit_codes
 from launcher.config import (
     FIELDS,
     GENERAL,
@@ -81,25 +85,100 @@ def _build_command() -> click.Command:
     )
 
 
-def parse_args(argv: list[str]) -> tuple[LaunchConfig, str, list[str]]:
-    """Command line (+ env + config file) -> (config, script, script args); raises UsageError."""
+class Resolved(NamedTuple):
+    """A launch as resolved from every source, and where each setting came from."""
+
+    config: LaunchConfig
+    script: str
+    script_args: list[str]
+    sources: dict[str, str]  # field -> "flag", "env PET_NNODES", "slurm SLURM_NNODES", ...
+    cluster: cluster_env.Cluster
+
+
+def resolve(argv: list[str], environ: Mapping[str, str] | None = None) -> Resolved:
+    """Command line > environment > --config file > SLURM/Kubernetes > default; raises
+    UsageError."""
+    environ = os.environ if environ is None else environ
     command = _build_command()
     try:
         ctx = command.make_context("ftlaunch", list(argv))
     except click.UsageError as e:
         raise UsageError(e.format_message().replace("\n", " ")) from None
     values = ctx.params
-    from_user = {name for name in FIELDS
-                 if ctx.get_parameter_source(name) in (click.core.ParameterSource.COMMANDLINE,
-                                                       click.core.ParameterSource.ENVIRONMENT)}
+    given = {name: ctx.get_parameter_source(name) for name in FIELDS}
     file_values = load_config_file(values["config"]) if values.get("config") else {}
-    merged = {name: values[name] if name in from_user else file_values.get(name, FIELDS[name].default)
-              for name in FIELDS}
-    config = LaunchConfig(**merged)
+    standalone = values["standalone"] or file_values.get("standalone", False)
+    cluster = cluster_env.Cluster("") if standalone else _detect(environ)
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name in FIELDS:
+        found = cluster.settings.get(name)
+        if given[name] == click.core.ParameterSource.COMMANDLINE:
+            merged[name], sources[name] = values[name], "flag"
+        elif given[name] == click.core.ParameterSource.ENVIRONMENT:
+            merged[name], sources[name] = values[name], f"env {env_var(name)}"
+        elif found is not None and found.env_level:
+            merged[name], sources[name] = found.value, f"env {found.source}"
+        elif name in file_values:
+            merged[name], sources[name] = file_values[name], f"file {values['config']}"
+        elif found is not None:
+            merged[name], sources[name] = found.value, f"{cluster.scheduler} {found.source}"
+        else:
+            merged[name], sources[name] = FIELDS[name].default, "default"
+    try:
+        config = LaunchConfig(**{k: _typed(k, v) for k, v in merged.items()})
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     config.validate()
     script = values["training_script"]
-    _check_script(config, script)
-    return config, script, list(values["training_script_args"])
+    if not config.dry_run:
+        _check_script(config, script)
+    return Resolved(config, script, list(values["training_script_args"]), sources, cluster)
+
+
+def parse_args(argv: list[str]) -> tuple[LaunchConfig, str, list[str]]:
+    """Command line (+ env + config file + cluster) -> (config, script, script args)."""
+    resolved = resolve(argv)
+    return resolved.config, resolved.script, resolved.script_args
+
+
+def _detect(environ: Mapping[str, str]) -> cluster_env.Cluster:
+    hostname = socket.gethostname()
+    fqdn = socket.getfqdn() if environ.get("JOB_COMPLETION_INDEX") is not None and \
+        not environ.get("JOBSET_NAME") else hostname  # a DNS lookup: only where needed
+    return cluster_env.detect(environ, hostname, fqdn)
+
+
+def _typed(name: str, value: Any) -> Any:
+    """A cluster's value in its field's type (node_rank is an int, nnodes text)."""
+    default: Any = FIELDS[name].default
+    if value is None or default is None or isinstance(value, type(default)):
+        return value
+    return type(default)(value)
+
+
+def dry_run_report(r: Resolved) -> dict:
+    """What ``--dry-run`` prints: the launch in torchrun's terms, and every setting's source."""
+    c = r.config
+    endpoint = c.coordinator_endpoint()
+    lo, hi = c.node_range()
+    static = c.rdzv_backend == "static" and not c.rdzv_endpoint and endpoint is not None
+    return {
+        "scheduler": r.cluster.scheduler or None,
+        "scheduler_restart_count": r.cluster.restart_count,
+        "torchrun": {
+            "nnodes": c.nnodes, "nproc_per_node": c.nproc_per_node,
+            "node_rank": c.node_rank if static else None,
+            "rdzv_backend": c.rdzv_backend,
+            "rdzv_endpoint": f"{endpoint[0]}:{endpoint[1]}" if endpoint else None,
+            "rdzv_id": c.rdzv_id, "max_restarts": c.max_restarts,
+            "master_addr": c.master_addr, "master_port": c.master_port,
+            "standalone": c.standalone, "start_method": c.start_method},
+        "nodes": {"min": lo, "max": hi, "single_node": c.single_node()},
+        "script": r.script, "script_args": r.script_args,
+        "settings": {name: {"value": getattr(c, name), "source": r.sources[name]}
+                     for name in FIELDS},
+    }
 
 
 def _check_script(config: LaunchConfig, script: str) -> None:
@@ -128,10 +207,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ftlaunch {__version__}")
         sys.exit(exit_codes.OK)
     try:
-        config, script, script_args = parse_args(argv)
+        resolved = resolve(argv)
+        if resolved.config.dry_run:
+            print(json.dumps(dry_run_report(resolved), indent=2))
+            sys.exit(exit_codes.OK)
         from launcher.agent import Agent
 
-        agent = Agent(config, script, script_args)
+        agent = Agent(resolved.config, resolved.script, resolved.script_args)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except UsageError as e:

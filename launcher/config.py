@@ -1,7 +1,7 @@
 """The one launch configuration: every CLI flag, env var, YAML key and default comes from here.
 
 Precedence is CLI > environment (``PET_*`` for torchrun's flags, ``FTLAUNCH_*`` for ours) >
-config file > default. ``cli.py`` builds the click options from these fields, and
+config file > what SLURM or Kubernetes tell the process (``cluster_env``) > default. ``cli.py`` builds the click options from these fields, and
 ``load_config_file`` accepts exactly these names as YAML keys.
 """
 
@@ -146,6 +146,9 @@ class LaunchConfig:
                                    group=GENERAL)
     config: str | None = _opt(None, "YAML file with any of these options (CLI and env win).",
                               group=GENERAL)
+    dry_run: bool = _opt(False, "Print the resolved launch as one JSON object (every setting "
+                         "and where it came from: flag, env, file, SLURM, Kubernetes, "
+                         "default) and exit 0, starting nothing.", group=GENERAL)
 
     # --- derived views, each a pure parse of one field ------------------------------------
 
@@ -268,6 +271,17 @@ class LaunchConfig:
                 raise UsageError(f"--rdzv-conf {key}={value!r} is not a number of seconds")
             result.append(seconds)
         return result[0], result[1]
+
+    def single_node(self) -> bool:
+        """No other node to wait for: the coordinator is this agent's, on a free port."""
+        return self.standalone or (self.node_range()[1] == 1 and not self.rdzv_endpoint)
+
+    def coordinator_endpoint(self) -> tuple[str, int] | None:
+        """Where the nodes meet: ``--rdzv-endpoint``, else torchrun's static form's
+        ``--master-addr``/``--master-port`` (29400 when 0); None for a single node."""
+        if self.single_node():
+            return None
+        return self.rdzv_endpoint_parts() or (self.master_addr, self.master_port or 29400)
 
     def rdzv_endpoint_parts(self, default_port: int = 29400) -> tuple[str, int] | None:
         """``--rdzv-endpoint HOST[:PORT]`` as (host, port), or None when not given."""

@@ -45,8 +45,7 @@ class NodePlan:
         single_node = max_nodes == 1 and not config.rdzv_endpoint
         run_id = str(uuid.uuid4()) if config.standalone or (
             single_node and config.rdzv_id == "none") else config.rdzv_id
-        endpoint = None if single_node or config.standalone else (
-            config.rdzv_endpoint_parts() or (config.master_addr, config.master_port or 29400))
+        endpoint = config.coordinator_endpoint()
         addr = config.local_addr or (
             config.master_addr if endpoint is None else outgoing_addr(endpoint[0]))
         static_form = config.rdzv_backend == "static" and not config.rdzv_endpoint

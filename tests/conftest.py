@@ -92,6 +92,19 @@ def wait_no_tagged(tag: str, timeout: float = 10) -> list[psutil.Process]:
     return tagged_processes(tag)
 
 
+CLUSTER_VARS = ("SLURM_", "JOB_COMPLETION_INDEX", "JOBSET_", "KUBERNETES_SERVICE_",
+                "MASTER_ADDR", "MASTER_PORT", "PET_")
+
+
+@pytest.fixture(autouse=True)
+def not_in_a_cluster(monkeypatch):
+    """Tests run as on a laptop, even where CI runs in a pod or a SLURM job: what a
+    scheduler tells ftlaunch is given by the tests that test it."""
+    for name in list(os.environ):
+        if name.startswith(CLUSTER_VARS):
+            monkeypatch.delenv(name)
+
+
 @pytest.fixture
 def launcher_env(tmp_path):
     """Environment for launches: a unique tag to find every process they start."""

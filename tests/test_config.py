@@ -74,6 +74,7 @@ VALID = {
     "heartbeat_interval": 0.25,
     "secret_file": "/tmp/ftlaunch-secret",
     "config": None,  # filled per test with a real file
+    "dry_run": True,
 }
 YAML_FIELDS = [name for name in FIELDS if name != "config"]
 
