@@ -25,6 +25,7 @@ from launcher.config import (
     env_var,
     load_config_file,
 )
+from launcher.init_process import become_init_if_pid1
 
 HELP = """Run TRAINING_SCRIPT on this node's ranks and recover them when they fail.
 
@@ -197,6 +198,7 @@ def _check_script(config: LaunchConfig, script: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: parse, run one agent, exit with a scheduler-friendly code."""
     argv = sys.argv[1:] if argv is None else argv
+    become_init_if_pid1()  # a container's entrypoint: PID 1 reaps orphans, the child goes on
     if argv and argv[0] == "doctor":  # pre-flight check of this node, before torchrun's flags
         from launcher.doctor import main as doctor_main
 

@@ -23,9 +23,11 @@ TAG_VAR = "FTLAUNCH_TEST_TAG"
 class Launch:
     """A running ``ftlaunch`` whose merged output can be awaited line by line."""
 
-    def __init__(self, args: list[str], cwd: Path, env: dict[str, str]):
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str],
+                 prefix: tuple[str, ...] = ()):
+        """``prefix``: a command ftlaunch runs under (e.g. ``unshare ...``)."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "launcher", *args], cwd=cwd, env=env,
+            [*prefix, sys.executable, "-m", "launcher", *args], cwd=cwd, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
@@ -125,8 +127,9 @@ def launch(tmp_path, launcher_env):
     """Start ``ftlaunch ARGS`` in tmp_path; every launch is killed at teardown."""
     started: list[Launch] = []
 
-    def _launch(*args: str, env: dict[str, str] | None = None) -> Launch:
-        run = Launch(list(args), tmp_path, {**launcher_env, **(env or {})})
+    def _launch(*args: str, env: dict[str, str] | None = None,
+                prefix: tuple[str, ...] = ()) -> Launch:
+        run = Launch(list(args), tmp_path, {**launcher_env, **(env or {})}, prefix)
         started.append(run)
         return run
 
