@@ -95,6 +95,7 @@ class JobState:
     min_reached_at: float | None = None
     group_ranks: dict[str, int] = field(default_factory=dict)  # nodes in the running round
     finished: set[str] = field(default_factory=set)
+    leaving: set[str] = field(default_factory=set)  # stopped by a signal: out at the next round
     first_finished_at: float | None = None
     final: tuple[int, str] | None = None  # (exit code, reason) once done
     commits: CommitLog = field(default_factory=lambda: CommitLog(0))  # of the current world
@@ -233,8 +234,14 @@ class Coordinator:
             case Finished() if s.phase == RoundPhase.RUNNING:
                 s.finished.add(node)
                 s.first_finished_at = s.first_finished_at or now
-                if s.finished >= set(s.group_ranks):
-                    self._finish(exit_codes.OK, "all ranks finished")
+                if s.finished >= set(s.group_ranks) - s.leaving:
+                    if s.leaving:  # they stopped with the leaving node (trainer_shim.preempted)
+                        self._recover_from(f"nodes {sorted(s.leaving)} left: the others go on",
+                                           now)
+                    else:
+                        self._finish(exit_codes.OK, "all ranks finished")
+            case Leave() if msg.exit_code > exit_codes.SIGNAL_BASE:
+                self._on_leaving(node, msg)
             case Leave():
                 self._finish(msg.exit_code, f"node {node} left: {msg.reason}")
             case Unhealthy() if node in s.members:
@@ -267,6 +274,31 @@ class Coordinator:
         # else: a duplicate join from a member (a restarted agent has a new node id), or a
         # node beyond MAX that waits for the next round: nothing to do now.
 
+    def _on_leaving(self, node: str, msg: Leave) -> None:
+        """A node stopped by a signal: a pod deleted or evicted, a spot node reclaimed, a
+        scancel. Its ranks get the signal, and with trainer_shim every rank of the job
+        agrees to save a checkpoint and stop; the job then goes on without the node (and
+        with its replacement when one joins), unless every node is leaving."""
+        s = self._state
+        s.leaving.add(node)
+        for table in (s.members, s.standby_ports, s.identities, s.last_seen, s.held,
+                      s.replica_ports):
+            table.pop(node, None)
+        s.round_joined.discard(node)
+        if s.group_ranks and not set(s.group_ranks) - s.leaving:
+            self._finish(msg.exit_code, f"every node left ({msg.reason})")
+        elif s.phase == RoundPhase.JOINING:
+            self._forget_leaving()
+            self._seat_spares()
+
+    def _forget_leaving(self) -> None:
+        s = self._state
+        for node in s.leaving:
+            if s.group_ranks.pop(node, None) is not None:
+                s.expected.discard(node)
+                s.expected_count = max(0, s.expected_count - 1)
+        s.leaving.clear()
+
     # --- decisions -----------------------------------------------------------------------
 
     def _recover_from(self, cause: str, now: float, step: int = -1) -> None:
@@ -288,6 +320,7 @@ class Coordinator:
     def _start_new_round(self, cause: str, restart_count: int, delay: float, now: float) -> None:
         s = self._state
         s.restart_count = restart_count
+        self._forget_leaving()
         s.expected = set(s.group_ranks)
         s.expected_count = max(s.expected_count, len(s.expected))
         self._broadcast_round(Recover(policy=s.current_policy or s.policy,

@@ -82,10 +82,12 @@ class Agent:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._new:
-                self.lines.append((time.time(), line.rstrip("\n")))
-                self._new.notify_all()
+        with (self.log_dir / "output.txt").open("w") as log:  # kept when a run fails
+            for line in self.proc.stdout:
+                log.write(line)
+                with self._new:
+                    self.lines.append((time.time(), line.rstrip("\n")))
+                    self._new.notify_all()
 
     def wait_for(self, pattern: str, timeout: float = 300, after: float = 0.0) -> re.Match:
         regex, seen = re.compile(pattern), 0
@@ -171,16 +173,10 @@ def one_run(mode: str, args, work: Path, env: dict[str, str], uri: str) -> dict:
         spare = Agent("spare", work, common, env)
         agents[0].wait_for(r"waits as a spare")
         a, b = agents
-        saved = args.ckpt_every
-        while True:  # a save committed (and held in A's memory) before B gets half way on
-            wait_event(a, "checkpoint_committed", saved)
-            if mode == "peer memory":
-                wait_event(a, "checkpoint_in_memory", saved)
-            kill_at = saved + args.ckpt_every // 2
-            if last_step(b) < kill_at:
-                break
-            saved += args.ckpt_every
-        b.wait_for(rf"step {kill_at} at ")
+        saved = 2 * args.ckpt_every  # the first save also sizes the staging: skip it
+        wait_event(a, "checkpoint_committed", saved)
+        if mode == "peer memory":
+            wait_event(a, "checkpoint_in_memory", saved)
         dropped = mode != "peer memory" and drop_caches()
         killed = time.time()
         b.kill_node()
@@ -242,10 +238,14 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0, help="state per rank")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--ckpt-every", type=int, default=200,
-                        help="steps between saves; the node is lost half way between two")
+                        help="steps between saves; the node is lost once the 2nd save is "
+                        "committed (and held in a peer's memory)")
     parser.add_argument("--step-time", type=float, default=0.05)
     parser.add_argument("--node-timeout", type=float, default=2.0,
                         help="the test suite's; detection is reported on its own")
+    parser.add_argument("--modes", default="peer memory,local disk,S3",
+                        help="which restores to measure (S3 only with --s3)")
+    parser.add_argument("--keep", action="store_true", help="keep the work dir (logs)")
     parser.add_argument("--s3", metavar="S3RVER", default=None,
                         help="also from a local s3rver (npm install s3rver@3.7.1; the path of "
                         "node_modules/.bin/s3rver)")
@@ -255,7 +255,7 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "FTLAUNCH_"))}
     env["PYTHONPATH"] = str(ROOT)
     (work / "rank.py").write_text(RANK_SCRIPT)
-    modes = ["peer memory", "local disk"] + (["S3"] if args.s3 else [])
+    modes = [m for m in args.modes.split(",") if m != "S3" or args.s3]
     server = start_s3rver(args.s3, work, env) if args.s3 else None
     runs: list[dict] = []
     try:
@@ -271,7 +271,8 @@ def main() -> None:
     finally:
         if server is not None:
             server.terminate()
-        shutil.rmtree(work, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
 
     print(f"\nnode lost, {args.gib:g} GiB per rank, --node-timeout {args.node_timeout:g}, "
           f"{args.reps} reps, medians")

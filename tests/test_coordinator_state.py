@@ -205,3 +205,41 @@ def test_a_node_lost_while_a_round_forms_gives_its_seat_to_a_waiting_spare():
     assigned = [to.decode() for to, m in socket.sent if isinstance(m.body, Assign)
                 and m.epoch == state.epoch]
     assert sorted(assigned) == ["a", "spare"]
+
+
+def _running(coordinator: Coordinator) -> None:
+    coordinator._handle(b"a", Envelope(1, CONTROL["store_ready"](master_addr="10.0.0.1",
+                                                                 master_port=29500)), 1.3)
+    assert coordinator._state.phase == "running"
+
+
+def _leave(coordinator: Coordinator, node: str, now: float) -> None:
+    coordinator._handle(node.encode(), Envelope(1, CONTROL["leave"](
+        node_id=node, exit_code=143, reason="SIGTERM")), now)
+
+
+def test_a_pod_stopped_by_sigterm_leaves_and_its_replacement_takes_its_seat():
+    """A pod deleted (kubelet's SIGTERM): its ranks and the others agree to save and stop
+    (trainer_shim.preempted); the job then goes on with a replacement, not to an end."""
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    state = coordinator._state
+    _running(coordinator)
+    _leave(coordinator, "b", 2.0)
+    assert state.final is None and state.phase == "running"  # b's ranks save first
+    coordinator._handle(b"a", Envelope(1, CONTROL["finished"](node_id="a")), 3.0)
+    assert state.final is None and state.phase == "joining", "a finished a job that goes on"
+    for node, now in (("a", 3.1), ("b-replacement", 4.0)):
+        coordinator._handle(node.encode(), Envelope(1, CONTROL["join"](
+            node_id=node, local_world_size=1, addr="10.0.0.9", standby_port=4000,
+            rank_hint=-1, replica_port=4100, held=())), now)
+    coordinator._tick(5.5)
+    assert sorted(state.group_ranks) == ["a", "b-replacement"]
+    assert state.phase == "waiting_store" and state.restart_count == 1
+
+
+def test_every_node_stopped_by_a_signal_ends_the_job_with_its_code():
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    _running(coordinator)
+    _leave(coordinator, "b", 2.0)
+    _leave(coordinator, "a", 2.01)
+    assert coordinator._state.final == (143, "every node left (SIGTERM)")
