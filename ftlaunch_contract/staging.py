@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -164,25 +165,81 @@ def _map(fd: int, size: int, populate: bool = True) -> mmap.mmap:
         getattr(mmap, "MAP_POPULATE", 0) if populate else 0))
 
 
+OWNER_LOCK = ".owner"  # flock'ed by the owning agent for as long as it lives
+_held_locks: list[int] = []
+
+
 def create_dir() -> Path:
-    """The agent's staging directory (0700), in /dev/shm when there is one."""
-    sweep_stale()
+    """The agent's staging directory (0700), in /dev/shm when there is one, locked for as
+    long as this process lives. What agents that are gone (SIGKILLed: a pod killed after its
+    grace period) staged on this host is adopted: moved in here, so this node holds it in
+    memory for its ranks' restore and persists what was not durable yet (``flush``)."""
     root = _shm_or_none() or tempfile.gettempdir()
-    return Path(tempfile.mkdtemp(prefix=f"ftlaunch-staging-{os.getpid()}-", dir=root))
+    fresh = Path(tempfile.mkdtemp(prefix=".ftlaunch-new-", dir=root))
+    fd = os.open(fresh / OWNER_LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    _held_locks.append(fd)  # released by the kernel when this process is gone, however
+    path = Path(root, f"ftlaunch-staging-{os.getpid()}-{fresh.name.rsplit('-', 1)[1]}")
+    fresh.rename(path)  # named only once locked: a sweep never takes it for a dead one's
+    adopt_stale(path)
+    return path
 
 
-def sweep_stale() -> None:
-    """Remove staging left by agents that were SIGKILLed (their pid is gone)."""
-    root = _shm_or_none()
-    if root is None:
-        return
-    for entry in Path(root).glob("ftlaunch-staging-*-*"):
+def adopt_stale(into: Path) -> list[str]:
+    """Move the staged shards of agents that are gone into ``into`` (newest first; a name
+    taken already keeps its newer shard), delete the rest of their directories; returns
+    the shard files adopted. Ownership is the directory's lock, so an agent in another PID
+    namespace (a container sharing this /dev/shm) is never taken for a dead one."""
+    adopted = []
+    stale = [entry for entry in Path(into.parent).glob("ftlaunch-staging-*-*")
+             if entry != into and _owner_gone(entry)]
+    for entry in sorted(stale, key=_newest_meta, reverse=True):
+        for sub in ("", "replicas"):
+            (into / sub).mkdir(exist_ok=True)
+            for meta in sorted(Path(entry, sub).glob("rank_*.*.meta")):
+                data, target = meta.with_suffix(".data"), into / sub / meta.name
+                if target.exists() or not data.exists():
+                    continue
+                with contextlib.suppress(OSError):  # data first: never a meta without data
+                    data.rename(target.with_suffix(".data"))
+                    meta.rename(target)
+                    adopted.append(str(Path(sub, meta.stem)))
+        shutil.rmtree(entry, ignore_errors=True)
+    if adopted:
+        log.warning("adopted %d staged checkpoint shard(s) of agents gone from this host: %s",
+                    len(adopted), ", ".join(adopted))
+    return adopted
+
+
+def _owner_gone(entry: Path) -> bool:
+    """Whether the agent that made ``entry`` is gone: its lock is free (or, for a directory
+    made before locks, its pid is)."""
+    try:
+        if entry.stat().st_uid != os.getuid():
+            return False
+        fd = os.open(entry / OWNER_LOCK, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
         try:
-            pid = int(entry.name.split("-")[2])
+            return not _alive(int(entry.name.split("-")[2]))
         except (IndexError, ValueError):
-            continue
-        if pid != os.getpid() and not _alive(pid) and entry.stat().st_uid == os.getuid():
-            shutil.rmtree(entry, ignore_errors=True)
+            return False
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _newest_meta(entry: Path) -> float:
+    newest = 0.0
+    for meta in entry.rglob("rank_*.*.meta"):
+        with contextlib.suppress(OSError):  # taken meanwhile by another new agent
+            newest = max(newest, meta.stat().st_mtime)
+    return newest
 
 
 def flush(directory: str | Path) -> list[tuple[int, int]]:

@@ -8,6 +8,7 @@ import errno
 import mmap
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -300,20 +301,55 @@ def test_keep_every_mth_step_beside_the_last_k(tmp_path):
     ckpt.close()
 
 
-def test_staging_left_by_a_killed_agent_is_swept(tmp_path):
+def test_staging_left_by_a_killed_agent_is_adopted(tmp_path):
+    """An agent SIGKILLed (a pod after its grace period) leaves its staged shards: the next
+    agent on the host moves them into its own staging (held in memory, flushed at exit)
+    and removes the rest."""
     from ftlaunch_contract import staging
 
     dead = subprocess.Popen(["true"])
     dead.wait()
     stale = os.path.join("/dev/shm", f"ftlaunch-staging-{dead.pid}-test")
-    os.makedirs(stale)
-    (open(os.path.join(stale, "rank_0.0.data"), "wb")).close()
+    os.makedirs(os.path.join(stale, "replicas"))
+    for name, body in (("rank_0.0.data", b"x" * 10), ("rank_0.0.meta", b"m"),
+                       ("rank_1.1.data", b"orphan data, no meta: never adopted"),
+                       ("replicas/rank_5.0.data", b"y"), ("replicas/rank_5.0.meta", b"n")):
+        with open(os.path.join(stale, name), "wb") as f:
+            f.write(body)
     mine = staging.create_dir()
     try:
         assert not os.path.exists(stale)
         assert mine.is_dir() and oct(mine.stat().st_mode & 0o777) == "0o700"
+        assert (mine / "rank_0.0.data").read_bytes() == b"x" * 10
+        assert (mine / "replicas" / "rank_5.0.meta").read_bytes() == b"n"
+        assert not (mine / "rank_1.1.data").exists()
     finally:
-        os.rmdir(mine)
+        shutil.rmtree(mine)
+
+
+def test_a_live_agents_staging_is_never_taken_for_a_dead_ones(tmp_path):
+    """Ownership is a lock, not a pid: an agent in another PID namespace (a container on
+    this host sharing /dev/shm) has a pid that means nothing here, yet is alive."""
+    from ftlaunch_contract import staging
+
+    other = os.path.join("/dev/shm", "ftlaunch-staging-999999999-otherns")
+    os.makedirs(other)
+    with open(os.path.join(other, "rank_0.0.data"), "wb") as f:
+        f.write(b"live")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_CREAT"
+         " | os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); "
+         "sys.stdin.read()", os.path.join(other, staging.OWNER_LOCK)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        mine = staging.create_dir()
+        shutil.rmtree(mine)
+        assert os.path.exists(os.path.join(other, "rank_0.0.data"))
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+        shutil.rmtree(other, ignore_errors=True)
 
 
 AGREE = textwrap.dedent("""
