@@ -80,7 +80,7 @@ def _thread_name(tid: str) -> str:
 def become(order: dict[str, Any], fds: list[int], template_pid: int) -> None:
     """In the forked child: be the rank as a fresh ``python -u`` would be, then run it."""
     os.setpgid(0, 0)  # its own group: stopping the rank stops its children
-    _leave_template(template_pid)
+    _leave_template(template_pid, rank=True)
     for fd, target in zip(fds, (1, 2), strict=True):
         os.dup2(fd, target)
         os.close(fd)
@@ -102,14 +102,25 @@ def become(order: dict[str, Any], fds: list[int], template_pid: int) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def _leave_template(template_pid: int) -> None:
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                signal.SIGUSR2)
+"""What a scheduler may send every process of a job step (scancel, SLURM's time limit and
+preemption): the ranks must get them with their default action, as fresh interpreters
+would; the template and the store ignore them (the agent ends those), so a preemption
+does not kill the ranks' template, or the store their last save needs, under them."""
+
+
+def _leave_template(template_pid: int, rank: bool) -> None:
     """In a forked child: die with the template (as it dies with the agent), and drop
-    what the template set up to hear of its children."""
+    what the template set up to hear of its children; a ``rank`` gets the stop signals'
+    default actions back."""
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != template_pid:  # the template died before prctl took effect
         os._exit(1)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for sig in STOP_SIGNALS if rank else ():
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def serve_store(addr: str, port: int, listening: int, template_pid: int) -> None:
@@ -119,7 +130,7 @@ def serve_store(addr: str, port: int, listening: int, template_pid: int) -> None
 
     from torch.distributed import TCPStore
 
-    _leave_template(template_pid)
+    _leave_template(template_pid, rank=False)
     set_title(f"ftlaunch store {addr}:{port}", "ftlaunch-store")
     store = TCPStore(addr, port, None, True, timedelta(seconds=300), wait_for_workers=False,
                      master_listen_fd=listening, use_libuv=True)
@@ -215,6 +226,8 @@ def serve(sock: socket.socket) -> None:
 
 
 def main() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=int(sys.argv[1]))
     started = time.monotonic()
     os.environ["OMP_NUM_THREADS"] = "1"  # else importing torch starts OpenMP's threads

@@ -280,10 +280,13 @@ def test_replacement_resumes_from_shared_memory_and_the_agent_persists_on_exit(
                 if d.startswith(f"ftlaunch-staging-{run.proc.pid}-")], "staging memory freed"
 
 
-def test_sigterm_checkpoints_within_the_grace_period(tmp_path, launch):
+@pytest.mark.parametrize("to", ["agent", "every process"])
+def test_sigterm_checkpoints_within_the_grace_period(tmp_path, launch, to):
     """Preemption: SIGTERM to the agent reaches the ranks, ``ft.preempted()`` turns true on
     both at the same step, they save and leave; the step is committed when ftlaunch exits
-    with 128+15, although nothing else was ever persisted (--persist-every 1000)."""
+    with 128+15, although nothing else was ever persisted (--persist-every 1000). ``every
+    process``: as SLURM signals a step (scancel --signal=TERM, its time limit): the rank
+    template and the store must not die of it under the ranks."""
     import signal
 
     out = tmp_path / "result.json"
@@ -293,7 +296,9 @@ def test_sigterm_checkpoints_within_the_grace_period(tmp_path, launch):
                  "--persist-every", "1000", "--ckpt-dir", str(tmp_path / "ckpt"),
                  "--out", str(out))
     run.wait_for(r"step 5 loss", timeout=120)
-    run.proc.send_signal(signal.SIGTERM)
+    agent = psutil.Process(run.proc.pid)
+    for process in [agent, *(agent.children(recursive=True) if to == "every process" else [])]:
+        process.send_signal(signal.SIGTERM)
     assert run.finish(120) == 128 + signal.SIGTERM, run.output
     stops = {int(m.group(1)) for m in re.finditer(r"preempted at step (\d+)", run.output)}
     assert len(stops) == 1 and len(re.findall("preempted at step", run.output)) == NPROC, \
