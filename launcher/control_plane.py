@@ -3,6 +3,7 @@ follow it to a successor when its node is lost ("Paranoid Pirate" liveness both 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -39,8 +40,17 @@ def job_secret(secret_file: str | None, rdzv_id: str, single_node: bool) -> byte
     return hashlib.sha256(f"ftlaunch-job:{rdzv_id}".encode()).digest()
 
 
+def names_this_host(host: str) -> bool:
+    """``host`` is this machine by name (a pod's own DNS name, pod-0.svc...), which its
+    DNS may not serve yet when the pod starts: its /etc/hosts knows the short name."""
+    return host.split(".")[0] == socket.gethostname().split(".")[0]
+
+
 def outgoing_addr(host: str) -> str:
     """The local address this machine uses to reach ``host`` (what peers should dial)."""
+    if names_this_host(host):
+        with contextlib.suppress(OSError):
+            return socket.gethostbyname(socket.gethostname())
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect((socket.gethostbyname(host), 9))
@@ -96,7 +106,8 @@ class ControlPlane:
     def _try_to_host(self, endpoint: tuple[str, int]) -> None:
         """Whoever can bind the rendezvous endpoint hosts the coordinator (like torchrun c10d)."""
         try:
-            bind_host = socket.gethostbyname(endpoint[0])
+            bind_host = "0.0.0.0" if names_this_host(endpoint[0]) else \
+                socket.gethostbyname(endpoint[0])
             sock, _ = bind_router(self._context, bind_host, endpoint[1])
         except (zmq.ZMQError, OSError):
             return  # the endpoint is another machine's, or another agent here got it first

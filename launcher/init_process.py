@@ -15,8 +15,9 @@ import os
 import signal
 import sys
 
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-             signal.SIGUSR2)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+"""The agent's default --signals-to-handle: another signal sent to PID 1 (USR1, say) is
+not forwarded, as the agent would die of it."""
 
 
 def become_init_if_pid1() -> None:
