@@ -119,8 +119,9 @@ def _leave_template(template_pid: int, rank: bool) -> None:
         os._exit(1)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for sig in STOP_SIGNALS if rank else ():
-        signal.signal(sig, signal.SIG_DFL)
+    for sig in STOP_SIGNALS if rank else ():  # SIGINT: Python's KeyboardInterrupt, as fresh
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                      else signal.SIG_DFL)
 
 
 def serve_store(addr: str, port: int, listening: int, template_pid: int) -> None:
