@@ -237,7 +237,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0, help="state per rank")
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--ckpt-every", type=int, default=200,
+    parser.add_argument("--ckpt-every", type=int, default=400,
                         help="steps between saves; the node is lost once the 2nd save is "
                         "committed (and held in a peer's memory)")
     parser.add_argument("--step-time", type=float, default=0.05)

@@ -1,0 +1,924 @@
+"""What we ship in configs/ for Kubernetes (EKS) and SLURM, checked offline.
+
+- Manifests: core kinds (and the Job / pod templates inside the CRDs) against Kubernetes'
+  own OpenAPI schemas (PyPI kubernetes-validate, strict), the CRDs against our schemas of
+  their fields (configs/schemas), and the rules the API server and the controllers enforce
+  that no schema says (podFailurePolicy needs restartPolicy Never, ...).
+- The env a manifest gives a pod is what our detection reads: each pod is rendered as its
+  controller and the kubelet would (the controller's labels, annotations, hostname and env;
+  downward-API values, secrets, ``$(VAR)`` expansion), then fed to
+  ``cluster_env.detect`` and ``cli.resolve``.
+- The SLURM batch script runs under stand-ins for srun and scontrol: its srun line, its
+  exit-code mapping and its USR1 trap, for real.
+- The Dockerfile, parsed.
+"""
+
+from __future__ import annotations
+
+import configparser
+import copy
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import ROOT
+
+from launcher import cluster_env, doctor, exit_codes
+from launcher.cli import Resolved, dry_run_report, resolve
+
+CONFIGS = ROOT / "configs"
+K8S = CONFIGS / "k8s"
+SBATCH = CONFIGS / "slurm" / "train.sbatch"
+K8S_VERSION = "1.33.0"
+NAMESPACE = "ml"
+SECRETS = {("ftlaunch-secret", "secret"): "0123456789abcdef" * 4}
+GIB = 1024 ** 3
+
+
+def load(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+
+
+def one(name: str, kind: str) -> dict:
+    (doc,) = [d for d in load(name) if d["kind"] == kind]
+    return doc
+
+
+# --- what the controllers put in a pod -------------------------------------------------------
+
+JOB_INDEX_KEY = "batch.kubernetes.io/job-completion-index"
+
+
+def indexed_job_pod(job_name: str, job_spec: dict, index: int) -> dict:
+    """A pod of an indexed Job, as the Job controller makes it: hostname <job>-<index>, the
+    completion index as annotation and label, JOB_COMPLETION_INDEX appended to every
+    container's env (after the template's own, so the template cannot $(...) it)."""
+    assert job_spec.get("completionMode") == "Indexed"
+    template = copy.deepcopy(job_spec["template"])
+    meta = template.setdefault("metadata", {})
+    meta.setdefault("annotations", {})[JOB_INDEX_KEY] = str(index)
+    meta.setdefault("labels", {}).update({"batch.kubernetes.io/job-name": job_name,
+                                          "job-name": job_name, JOB_INDEX_KEY: str(index)})
+    meta["name"], meta["namespace"] = f"{job_name}-{index}-x7k2p", NAMESPACE
+    spec = template["spec"]
+    spec["hostname"] = f"{job_name}-{index}"
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        c["env"] = c.get("env", []) + [{"name": "JOB_COMPLETION_INDEX", "valueFrom": {
+            "fieldRef": {"fieldPath": f"metadata.annotations['{JOB_INDEX_KEY}']"}}}]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+
+
+def jobset_subdomain(js: dict) -> str:
+    return js["spec"].get("network", {}).get("subdomain") or js["metadata"]["name"]
+
+
+def jobset_pod(js: dict, rjob_name: str, job_index: int, pod_index: int,
+               restarts: int = 0) -> dict:
+    """A pod of a JobSet: the controller names the child Job <jobset>-<rjob>-<jobidx>, puts
+    its labels and annotations on the Job's pod template and its subdomain in the pod spec;
+    then the Job controller makes the pod (jobset_controller.go: labelAndAnnotateObject)."""
+    name = js["metadata"]["name"]
+    rjobs = js["spec"]["replicatedJobs"]
+    rjob = next(r for r in rjobs if r["name"] == rjob_name)
+    before = sum(r.get("replicas", 1) for r in rjobs[:rjobs.index(rjob)])
+    marks = {"jobset.sigs.k8s.io/jobset-name": name,
+             "jobset.sigs.k8s.io/jobset-uid": "7d1c6a1e-5b1f-4a57-9c1e-2f4a6b8c9d0e",
+             "jobset.sigs.k8s.io/replicatedjob-name": rjob_name,
+             "jobset.sigs.k8s.io/restart-attempt": str(restarts),
+             "jobset.sigs.k8s.io/replicatedjob-replicas": str(rjob.get("replicas", 1)),
+             "jobset.sigs.k8s.io/global-replicas": str(sum(r.get("replicas", 1) for r in rjobs)),
+             "jobset.sigs.k8s.io/job-index": str(job_index),
+             "jobset.sigs.k8s.io/job-global-index": str(before + job_index),
+             "jobset.sigs.k8s.io/group-name": rjob.get("groupName", "default")}
+    job_spec = copy.deepcopy(rjob["template"]["spec"])
+    job_spec.setdefault("completionMode", "Indexed")  # the JobSet webhook's default
+    meta = job_spec["template"].setdefault("metadata", {})
+    meta.setdefault("labels", {}).update(marks)
+    meta.setdefault("annotations", {}).update(marks)
+    if js["spec"].get("network", {}).get("enableDNSHostnames", True):
+        job_spec["template"]["spec"]["subdomain"] = jobset_subdomain(js)
+    return indexed_job_pod(f"{name}-{rjob_name}-{job_index}", job_spec, pod_index)
+
+
+def pytorchjob_pod(pj: dict, rtype: str, index: int) -> dict:
+    """A pod of a PyTorchJob (training-operator v1.9: pytorch_defaults.go, envvar.go,
+    elastic.go, master.go): named <job>-<type>-<index> (also its hostname and the name of
+    the headless Service the operator makes for it); torchrun's PET_* env appended."""
+    name, spec = pj["metadata"]["name"], copy.deepcopy(pj["spec"])
+    specs = {k[0].upper() + k[1:].lower(): v for k, v in spec["pytorchReplicaSpecs"].items()}
+    template = copy.deepcopy(specs[rtype]["template"])
+    pod_name = f"{name}-{rtype.lower()}-{index}"
+
+    def port(rt: str) -> int:
+        pytorch = next(c for c in specs[rt]["template"]["spec"]["containers"]
+                       if c["name"] == "pytorch")
+        ports = [p["containerPort"] for p in pytorch.get("ports", [])
+                 if p.get("name") == "pytorchjob-port"]
+        return ports[0] if ports else 23456  # the default the operator adds
+
+    elastic = spec.get("elasticPolicy")
+    if elastic is not None:  # setElasticPolicy: min/max default to each other, or replicas
+        workers = specs["Worker"].get("replicas", 1)
+        elastic.setdefault("minReplicas", elastic.get("maxReplicas", workers))
+        elastic.setdefault("maxReplicas", elastic["minReplicas"])
+    if elastic is None or "nProcPerNode" not in elastic:
+        spec.setdefault("nprocPerNode", "auto")
+    total = sum(s.get("replicas", 1) for s in specs.values())
+    added = [("PYTHONUNBUFFERED", "1")]
+    if "Master" in specs:
+        master = f"{name}-master-0"
+        rank = index + (1 if rtype == "Worker" else 0)
+        nproc = spec.get("nprocPerNode", "1")
+        added += [("MASTER_PORT", str(port("Master"))), ("PET_MASTER_PORT", str(port("Master"))),
+                  ("MASTER_ADDR", master), ("PET_MASTER_ADDR", master),
+                  ("WORLD_SIZE", str(total * (int(nproc) if nproc.isdigit() else 1))),
+                  ("RANK", str(rank)), ("PET_NODE_RANK", str(rank))]
+    if "nprocPerNode" in spec:
+        added.append(("PET_NPROC_PER_NODE", spec["nprocPerNode"]))
+    if elastic is not None:
+        host = elastic.get("rdzvHost", f"{name}-worker-0")
+        added += [("PET_RDZV_ENDPOINT", f"{host}:{elastic.get('rdzvPort') or port('Worker')}"),
+                  ("PET_RDZV_BACKEND", elastic.get("rdzvBackend", "c10d")),
+                  ("PET_NNODES", f"{elastic['minReplicas']}:{elastic['maxReplicas']}")]
+        if "maxRestarts" in elastic:
+            added.append(("PET_MAX_RESTARTS", str(elastic["maxRestarts"])))
+        if "nProcPerNode" in elastic:
+            added.append(("PET_NPROC_PER_NODE", str(elastic["nProcPerNode"])))
+        if "rdzvId" in elastic:
+            added.append(("PET_RDZV_ID", elastic["rdzvId"]))
+        if elastic.get("rdzvConf"):
+            added.append(("PET_RDZV_CONF",
+                          ",".join(f"{c['key']}={c['value']}" for c in elastic["rdzvConf"])))
+        if elastic.get("standalone"):
+            added.append(("PET_STANDALONE", ""))
+    else:
+        added.append(("PET_NNODES", str(total)))
+    for c in template["spec"]["containers"]:
+        c["env"] = c.get("env", []) + [{"name": k, "value": v} for k, v in added]
+    meta = template.setdefault("metadata", {})
+    meta.setdefault("labels", {}).update({
+        "training.kubeflow.org/job-name": name, "training.kubeflow.org/operator-name":
+        "pytorchjob-controller", "training.kubeflow.org/replica-type": rtype.lower(),
+        "training.kubeflow.org/replica-index": str(index)})
+    meta["name"], meta["namespace"] = pod_name, NAMESPACE
+    restart = specs[rtype].get("restartPolicy", "OnFailure")
+    template["spec"]["restartPolicy"] = "Never" if restart == "ExitCode" else restart
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": template["spec"]}
+
+
+# --- what the kubelet makes of a pod's container -----------------------------------------------
+
+_REF = re.compile(r"\$(\$|\(([^)]*)\))")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion: defined names are replaced, $$ is a literal $, anything
+    else stays as written."""
+    def sub(m: re.Match) -> str:
+        if m.group(1) == "$":
+            return "$"
+        return env.get(m.group(2), m.group(0))
+    return _REF.sub(sub, text)
+
+
+def _field(pod: dict, path: str) -> str:
+    m = re.fullmatch(r"metadata\.(annotations|labels)\['([^']+)'\]", path)
+    if m:
+        return pod["metadata"].get(m.group(1), {}).get(m.group(2), "")  # missing key: ""
+    simple = {"metadata.name": pod["metadata"]["name"],
+              "metadata.namespace": pod["metadata"]["namespace"]}
+    if path not in simple:
+        raise AssertionError(f"fieldRef {path!r}: not rendered by this test")
+    return simple[path]
+
+
+def hostname_and_fqdn(pod: dict) -> tuple[str, str]:
+    spec = pod["spec"]
+    hostname = spec.get("hostname", pod["metadata"]["name"])
+    if spec.get("subdomain"):
+        return hostname, f"{hostname}.{spec['subdomain']}.{NAMESPACE}.svc.cluster.local"
+    return hostname, hostname
+
+
+def container_env(pod: dict, container: str) -> dict[str, str]:
+    """The process environment the kubelet gives ``container``: the API server's service
+    variables, then the env list in order, each value expanded against what came before."""
+    env = {"KUBERNETES_SERVICE_HOST": "10.100.0.1", "KUBERNETES_SERVICE_PORT": "443",
+           "HOSTNAME": hostname_and_fqdn(pod)[0]}
+    spec = pod["spec"]
+    (c,) = [c for c in spec.get("initContainers", []) + spec["containers"]
+            if c["name"] == container]
+    for var in c.get("env", []):
+        if "value" in var:
+            env[var["name"]] = expand(str(var["value"]), env)
+        elif "fieldRef" in var.get("valueFrom", {}):
+            env[var["name"]] = _field(pod, var["valueFrom"]["fieldRef"]["fieldPath"])
+        elif "secretKeyRef" in var.get("valueFrom", {}):
+            ref = var["valueFrom"]["secretKeyRef"]
+            env[var["name"]] = SECRETS[(ref["name"], ref["key"])]  # missing: pod never starts
+        else:
+            raise AssertionError(f"env {var['name']}: a source this test does not render")
+    return env
+
+
+def container_argv(pod: dict, container: str, env: dict[str, str]) -> list[str]:
+    spec = pod["spec"]
+    (c,) = [c for c in spec.get("initContainers", []) + spec["containers"]
+            if c["name"] == container]
+    return [expand(a, env) for a in c.get("command", []) + c.get("args", [])]
+
+
+def pod_spec(doc: dict) -> dict:
+    """The pod spec a manifest's pods start from."""
+    if doc["kind"] == "Job":
+        return doc["spec"]["template"]["spec"]
+    if doc["kind"] == "JobSet":
+        return doc["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    return doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+
+
+def agent_container(spec: dict) -> dict:
+    (c,) = [c for c in spec["containers"] if c.get("command", [""])[0] == "ftlaunch"]
+    return c
+
+
+def resolve_in_pod(pod: dict, container: str, monkeypatch, workdir: Path) -> tuple[
+        Resolved, cluster_env.Cluster, dict[str, str], list[str]]:
+    """Run the pod's ftlaunch command line through detection and resolve(), with the pod's
+    environment, hostname and FQDN (click reads PET_*/FTLAUNCH_* from os.environ)."""
+    env = container_env(pod, container)
+    argv = container_argv(pod, container, env)
+    assert argv[0] == "ftlaunch"
+    hostname, fqdn = hostname_and_fqdn(pod)
+    cluster = cluster_env.detect(env, hostname, fqdn)
+    with monkeypatch.context() as m:
+        for name in list(os.environ):
+            if name.startswith(("PET_", "FTLAUNCH_")):
+                m.delenv(name)
+        for name, value in env.items():
+            m.setenv(name, value)
+        m.setattr(socket, "gethostname", lambda: hostname)
+        m.setattr(socket, "getfqdn", lambda *_: fqdn)
+        m.chdir(workdir)
+        resolved = resolve(argv[1:], env)
+    return resolved, cluster, env, argv
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """The container's working directory: the training script is there (/workspace)."""
+    (tmp_path / "train.py").write_text("")
+    return tmp_path
+
+
+def _grace_margin_ok(doc: dict, r: Resolved) -> None:
+    spec = pod_spec(doc)
+    assert r.config.grace_period + 30 <= spec["terminationGracePeriodSeconds"], \
+        "--grace-period must end (and the agent exit) before the kubelet's SIGKILL"
+    # The coordinator's port is one the agent's container declares.
+    endpoint = r.config.coordinator_endpoint()
+    assert endpoint is not None
+    assert endpoint[1] in {p["containerPort"] for p in agent_container(spec)["ports"]}
+
+
+# --- the env a manifest gives a pod is what our detection reads -------------------------------
+
+def check_jobset_pods(js: dict, monkeypatch, workdir: Path, restarts: int = 0) -> None:
+    rjob = js["spec"]["replicatedJobs"][0]
+    n = rjob["template"]["spec"]["parallelism"]
+    assert rjob["template"]["spec"]["completions"] == n and rjob.get("replicas", 1) == 1
+    pod0 = jobset_pod(js, rjob["name"], 0, 0, restarts)
+    host0, _ = hostname_and_fqdn(pod0)
+    pod0_dns = f"{host0}.{pod0['spec']['subdomain']}"  # what the pods' DNS search resolves
+    container = agent_container(pod_spec(js))["name"]
+    ranks = []
+    for i in range(n):
+        pod = jobset_pod(js, rjob["name"], 0, i, restarts)
+        r, cluster, env, _ = resolve_in_pod(pod, container, monkeypatch, workdir)
+        assert cluster.scheduler == "kubernetes" and cluster.restart_count == restarts
+        assert r.cluster.restart_count == restarts
+        assert (r.config.nnodes, r.sources["nnodes"]) == ("3:4", "env PET_NNODES")
+        assert (r.config.node_rank, r.sources["node_rank"]) == \
+            (i, "kubernetes JOB_COMPLETION_INDEX")
+        assert r.config.coordinator_endpoint() == (pod0_dns, 29400), \
+            f"pod {i} looks for the coordinator elsewhere than pod 0 ({pod0_dns})"
+        report = dry_run_report(r)
+        assert report["torchrun"]["rdzv_endpoint"] == f"{pod0_dns}:29400"
+        assert report["scheduler"] == "kubernetes"
+        assert (r.config.rdzv_id, r.sources["rdzv_id"]) == \
+            (js["metadata"]["name"], "kubernetes JOBSET_NAME")
+        assert (r.config.nproc_per_node, r.sources["nproc_per_node"]) == ("8", "flag")
+        assert r.config.log_dir == f"/fsx/ftlaunch-logs/{js['metadata']['name']}"
+        assert f"--ckpt-dir=/fsx/checkpoints/{js['metadata']['name']}" in r.script_args
+        assert env["FTLAUNCH_SECRET"] == SECRETS[("ftlaunch-secret", "secret")]
+        _grace_margin_ok(js, r)
+        ranks.append(r.config.node_rank)
+    assert sorted(ranks) == list(range(n))
+
+
+@pytest.mark.parametrize("restarts", [0, 2])
+def test_jobset_pods_resolve_to_one_job_with_pod_zero_as_coordinator(monkeypatch, workdir,
+                                                                     restarts):
+    check_jobset_pods(one("jobset.yaml", "JobSet"), monkeypatch, workdir, restarts)
+
+
+def test_jobset_with_a_subdomain_needs_jobset_subdomain_in_the_env(monkeypatch, workdir):
+    """No annotation carries network.subdomain to the pod: without JOBSET_SUBDOMAIN the
+    agents would dial <pod0>.<jobset name>, a name nothing answers."""
+    js = one("jobset.yaml", "JobSet")
+    js["spec"]["network"]["subdomain"] = "fsdp-net"
+    with pytest.raises(AssertionError, match="coordinator elsewhere"):
+        check_jobset_pods(js, monkeypatch, workdir)
+    agent_container(pod_spec(js))["env"].append({"name": "JOBSET_SUBDOMAIN",
+                                                 "value": "fsdp-net"})
+    check_jobset_pods(js, monkeypatch, workdir)
+
+
+def test_a_misspelt_downward_api_key_is_caught(monkeypatch, workdir):
+    """A fieldRef to an annotation the controller does not set renders as "": detection
+    then finds no JobSet, and the pods would not agree on a coordinator."""
+    js = one("jobset.yaml", "JobSet")
+    for var in agent_container(pod_spec(js))["env"]:
+        if var["name"] == "JOBSET_NAME":
+            var["valueFrom"]["fieldRef"]["fieldPath"] = \
+                "metadata.annotations['jobset.sigs.k8s.io/jobset']"
+    with pytest.raises(AssertionError):
+        check_jobset_pods(js, monkeypatch, workdir)
+
+
+def test_indexed_job_pods_find_pod_zero_under_the_headless_service(monkeypatch, workdir):
+    service, job = one("indexed-job.yaml", "Service"), one("indexed-job.yaml", "Job")
+    name, n = job["metadata"]["name"], job["spec"]["completions"]
+    assert job["spec"]["parallelism"] == n
+    pod0 = indexed_job_pod(name, job["spec"], 0)
+    _, fqdn0 = hostname_and_fqdn(pod0)
+    assert fqdn0 == f"{name}-0.{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+    # The Service selects the Job's pods and publishes them before they are ready.
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"].items() <= pod0["metadata"]["labels"].items()
+    assert pod0["spec"]["subdomain"] == service["metadata"]["name"]
+    container = agent_container(pod_spec(job))["name"]
+    for i in range(n):
+        pod = indexed_job_pod(name, job["spec"], i)
+        r, cluster, env, _ = resolve_in_pod(pod, container, monkeypatch, workdir)
+        assert env["JOB_COMPLETION_INDEX"] == str(i)
+        assert cluster.scheduler == "kubernetes"
+        assert (r.config.nnodes, r.sources["nnodes"]) == ("3:4", "env PET_NNODES")
+        assert (r.config.node_rank, r.sources["node_rank"]) == \
+            (i, "kubernetes JOB_COMPLETION_INDEX")
+        assert r.config.coordinator_endpoint() == (fqdn0, 29400)
+        assert dry_run_report(r)["torchrun"]["rdzv_endpoint"] == f"{fqdn0}:29400"
+        assert r.config.rdzv_id == name
+        assert r.config.nproc_per_node == "8"
+        _grace_margin_ok(job, r)
+    assert {p["port"] for p in service["spec"]["ports"]} == {29400}
+
+
+def test_pytorchjob_pods_read_the_operators_torchrun_env(monkeypatch, workdir):
+    pj = one("pytorchjob.yaml", "PyTorchJob")
+    name = pj["metadata"]["name"]
+    workers = pj["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"]
+    pod0_service = pytorchjob_pod(pj, "Worker", 0)["metadata"]["name"]  # pod 0's own Service
+    endpoints = set()
+    for i in range(workers):
+        pod = pytorchjob_pod(pj, "Worker", i)
+        r, cluster, env, _ = resolve_in_pod(pod, "pytorch", monkeypatch, workdir)
+        assert cluster.scheduler == "kubernetes"
+        assert (r.config.nnodes, r.sources["nnodes"]) == ("3:4", "env PET_NNODES")
+        assert (r.config.nproc_per_node, r.sources["nproc_per_node"]) == \
+            ("8", "env PET_NPROC_PER_NODE")
+        assert (r.config.rdzv_backend, r.sources["rdzv_backend"]) == \
+            ("c10d", "env PET_RDZV_BACKEND")
+        assert r.config.coordinator_endpoint() == (pod0_service, 29400)
+        assert (r.config.rdzv_id, r.sources["rdzv_id"]) == (name, "env PET_RDZV_ID")
+        assert (r.config.max_restarts, r.sources["max_restarts"]) == \
+            (10, "env PET_MAX_RESTARTS")
+        assert r.config.rdzv_timeouts()[1] == 900.0  # join_timeout from rdzvConf
+        report = dry_run_report(r)
+        assert report["torchrun"]["node_rank"] is None  # c10d: the coordinator assigns ranks
+        assert report["torchrun"]["rdzv_endpoint"] == f"{pod0_service}:29400"
+        assert env["FTLAUNCH_SECRET"] == SECRETS[("ftlaunch-secret", "secret")]
+        _grace_margin_ok(pj, r)
+        endpoints.add(r.config.coordinator_endpoint())
+    assert len(endpoints) == 1
+
+
+def test_rendering_follows_kubernetes_expansion_rules():
+    env = {"A": "x"}
+    assert expand("$(A)/$(B)/$$(A)/$A/$$", env) == "x/$(B)/$(A)/$A/$"
+    # The Job controller appends JOB_COMPLETION_INDEX after the template's env: a template
+    # variable referring to it stays unexpanded (a reason our manifests never do).
+    job = copy.deepcopy(one("indexed-job.yaml", "Job"))
+    c = agent_container(job["spec"]["template"]["spec"])
+    c["env"].append({"name": "RANK_COPY", "value": "$(JOB_COMPLETION_INDEX)"})
+    pod = indexed_job_pod(job["metadata"]["name"], job["spec"], 3)
+    got = container_env(pod, c["name"])
+    assert got["RANK_COPY"] == "$(JOB_COMPLETION_INDEX)" and got["JOB_COMPLETION_INDEX"] == "3"
+
+
+# --- core kinds against Kubernetes' schemas ----------------------------------------------------
+
+def core_documents() -> list[tuple[str, dict]]:
+    """Every core-kind object we ship, and those inside the CRDs as their own kinds."""
+    docs = [(f"indexed-job.yaml {d['kind']}", d) for d in load("indexed-job.yaml")]
+    js = one("jobset.yaml", "JobSet")
+    for rjob in js["spec"]["replicatedJobs"]:
+        docs.append((f"jobset.yaml {rjob['name']} Job", {
+            "apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": f"{js['metadata']['name']}-{rjob['name']}-0"},
+            "spec": rjob["template"]["spec"]}))
+        docs.append((f"jobset.yaml {rjob['name']} Pod",
+                     jobset_pod(js, rjob["name"], 0, 1)))
+    pj = one("pytorchjob.yaml", "PyTorchJob")
+    for rtype, rspec in pj["spec"]["pytorchReplicaSpecs"].items():
+        docs.append((f"pytorchjob.yaml {rtype} PodTemplate", {
+            "apiVersion": "v1", "kind": "PodTemplate",
+            "metadata": {"name": f"{pj['metadata']['name']}-{rtype.lower()}"},
+            "template": rspec["template"]}))
+        docs.append((f"pytorchjob.yaml {rtype} Pod", pytorchjob_pod(pj, rtype, 1)))
+    docs.append(("indexed-job.yaml Pod",
+                 indexed_job_pod("fsdp-train", one("indexed-job.yaml", "Job")["spec"], 2)))
+    return docs
+
+
+CORE = core_documents()
+
+
+@pytest.mark.parametrize("doc", [d for _, d in CORE], ids=[w for w, _ in CORE])
+def test_core_kinds_are_valid_kubernetes(doc):
+    assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True) == "1.33"
+
+
+def _job() -> dict:
+    return copy.deepcopy(one("indexed-job.yaml", "Job"))
+
+
+@pytest.mark.parametrize("doctor_it", [
+    lambda d: d["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"].update(
+        operater="In"),                                               # a typo'd key
+    lambda d: d["spec"]["podFailurePolicy"]["rules"][1]["onPodConditions"][0].update(
+        status=True),                                                 # YAML's unquoted True
+    lambda d: d["spec"]["template"]["spec"]["volumes"][1]["emptyDir"].update(
+        sizelimit="112Gi"),
+    lambda d: d["spec"].update(parallelism="4"),                      # a string, not a number
+    lambda d: d["spec"]["template"]["spec"]["containers"][0].update(
+        env=[{"name": "PET_NNODES", "value": 4}]),                    # env values are strings
+], ids=["typo-operator", "status-bool", "typo-sizelimit", "parallelism-string", "env-int"])
+def test_kubernetes_validate_rejects_a_doctored_job(doctor_it):
+    doc = _job()
+    doctor_it(doc)
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_kubernetes_validate_skips_crds_so_we_keep_schemas():
+    for name, kind in (("jobset.yaml", "JobSet"), ("pytorchjob.yaml", "PyTorchJob")):
+        with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+            kubernetes_validate.validate(one(name, kind), K8S_VERSION, strict=True)
+
+
+# --- CRDs against our schemas of their fields ---------------------------------------------------
+
+CRDS = {"JobSet": ("jobset.yaml", "jobset.v1alpha2.json"),
+        "PyTorchJob": ("pytorchjob.yaml", "pytorchjob.v1.json")}
+
+
+def crd_validator(kind: str) -> jsonschema.Draft202012Validator:
+    schema = json.loads((CONFIGS / "schemas" / CRDS[kind][1]).read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+@pytest.mark.parametrize("kind", sorted(CRDS))
+def test_crds_match_our_schemas(kind):
+    doc = one(CRDS[kind][0], kind)
+    errors = [f"{list(e.absolute_path)}: {e.message}"
+              for e in crd_validator(kind).iter_errors(doc)]
+    assert not errors
+
+
+def _set(path: list, value: Any):
+    def doctor_it(doc: dict) -> None:
+        node = doc
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    return doctor_it
+
+
+def _rename(path: list, old: str, new: str):
+    def doctor_it(doc: dict) -> None:
+        node = doc
+        for key in path:
+            node = node[key]
+        node[new] = node.pop(old)
+    return doctor_it
+
+
+@pytest.mark.parametrize("kind, doctor_it", [
+    ("JobSet", _rename(["spec", "replicatedJobs", 0], "replicas", "replica")),
+    ("JobSet", _rename(["spec", "network"], "enableDNSHostnames", "enableDnsHostnames")),
+    ("JobSet", _set(["spec", "failurePolicy", "rules", 0, "action"], "FailJobset")),
+    ("JobSet", _set(["spec", "failurePolicy", "rules", 0, "onJobFailureReasons"],
+                    ["PodFailurePolicies"])),
+    ("JobSet", _set(["spec", "failurePolicy", "rules", 0, "name"], "fail on 2/3")),
+    ("JobSet", _set(["spec", "failurePolicy", "maxRestarts"], "3")),
+    ("JobSet", _set(["apiVersion"], "jobset.x-k8s.io/v1")),
+    ("PyTorchJob", _rename(["spec", "elasticPolicy"], "minReplicas", "minReplica")),
+    ("PyTorchJob", _set(["spec", "elasticPolicy", "rdzvBackend"], "c10")),
+    ("PyTorchJob", _set(["spec", "nprocPerNode"], 8)),
+    ("PyTorchJob", _rename(["spec", "pytorchReplicaSpecs"], "Worker", "Workers")),
+    ("PyTorchJob", _set(["spec", "pytorchReplicaSpecs", "Worker", "restartPolicy"],
+                        "Exitcode")),
+    ("PyTorchJob", _rename(["spec"], "runPolicy", "runpolicy")),
+], ids=["replica", "enableDnsHostnames", "FailJobset", "unknown-reason", "rule-name",
+        "maxRestarts-string", "apiVersion", "minReplica", "c10", "nproc-int", "Workers",
+        "Exitcode", "runpolicy"])
+def test_our_schemas_reject_a_doctored_crd(kind, doctor_it):
+    doc = copy.deepcopy(one(CRDS[kind][0], kind))
+    doctor_it(doc)
+    assert list(crd_validator(kind).iter_errors(doc))
+
+
+# --- what the API server and controllers enforce beyond the schemas ---------------------------
+
+def jobs() -> list[tuple[str, dict]]:
+    return [("indexed-job.yaml", one("indexed-job.yaml", "Job")["spec"]),
+            ("jobset.yaml", one("jobset.yaml", "JobSet")["spec"]["replicatedJobs"][0]
+             ["template"]["spec"])]
+
+
+def pod_failure_action(policy: dict, exit_codes_by_container: dict[str, int],
+                       conditions: set[str] = frozenset()) -> str:
+    """The Job controller's verdict on a failed pod: the first matching rule's action, else
+    Count. Containers that exited 0 never match onExitCodes."""
+    for rule in policy["rules"]:
+        if "onExitCodes" in rule:
+            req = rule["onExitCodes"]
+            codes = [code for name, code in exit_codes_by_container.items()
+                     if code != 0 and req.get("containerName") in (None, name)]
+            inside = [code in req["values"] for code in codes]
+            if (req["operator"] == "In" and any(inside)) or \
+                    (req["operator"] == "NotIn" and not all(inside) and codes):
+                return rule["action"]
+        for cond in rule.get("onPodConditions", []):
+            if cond["type"] in conditions and cond["status"] == "True":
+                return rule["action"]
+    return "Count"
+
+
+@pytest.mark.parametrize("job", [j for _, j in jobs()], ids=[w for w, _ in jobs()])
+def test_jobs_satisfy_the_api_servers_rules(job):
+    spec = job["template"]["spec"]
+    assert job["completionMode"] == "Indexed"
+    assert job["completions"] == job["parallelism"] >= 2
+    assert spec["restartPolicy"] == "Never"  # required with a podFailurePolicy
+    assert job.get("podReplacementPolicy", "Failed") == "Failed"  # the only one allowed then
+    for rule in job["podFailurePolicy"]["rules"]:
+        req = rule.get("onExitCodes")
+        assert (req is None) != (not rule.get("onPodConditions"))  # exactly one of the two
+        if req and req["operator"] == "In":
+            assert 0 not in req["values"]
+        if req:
+            assert req["values"] == sorted(set(req["values"]))
+
+
+@pytest.mark.parametrize("job", [j for _, j in jobs()], ids=[w for w, _ in jobs()])
+def test_pod_failure_policy_acts_on_ftlaunchs_exit_codes(job):
+    policy = job["podFailurePolicy"]
+    agent = agent_container(job["template"]["spec"])["name"]
+    verdict = {code: pod_failure_action(policy, {agent: code})
+               for code in (exit_codes.JOB_FAILED, exit_codes.USAGE, exit_codes.DO_NOT_REQUEUE,
+                            exit_codes.SIGNAL_BASE + signal.SIGTERM,
+                            exit_codes.SIGNAL_BASE + signal.SIGKILL)}
+    assert verdict == {1: "Count", 2: "FailJob", 3: "FailJob", 143: "Count", 137: "Count"}
+    # Preempted or drained: the pod is re-created without counting, whatever it exited with.
+    assert pod_failure_action(policy, {agent: 143}, {"DisruptionTarget"}) == "Ignore"
+    # The doctor init container's own verdicts fail the Job the same way.
+    assert pod_failure_action(policy, {"doctor": 3}) == "FailJob"
+    assert pod_failure_action(policy, {"doctor": 1}) == "Count"
+
+
+def test_jobset_failure_policy_fails_on_the_jobs_failjob():
+    js = one("jobset.yaml", "JobSet")
+    rules = js["spec"]["failurePolicy"]["rules"]
+    assert len({r["name"] for r in rules}) == len(rules)
+    by_reason = {reason: r["action"] for r in rules for reason in r["onJobFailureReasons"]}
+    # A Job failed by its podFailurePolicy (exit 2/3) must not be restarted as a whole.
+    assert by_reason["PodFailurePolicy"] == "FailJobSet"
+    assert by_reason["BackoffLimitExceeded"] == "RestartJobSet"
+    assert js["spec"]["failurePolicy"]["maxRestarts"] >= 1
+    names = {r["name"] for r in js["spec"]["replicatedJobs"]}
+    assert all(set(r.get("targetReplicatedJobs", [])) <= names for r in rules)
+
+
+def test_pytorchjob_satisfies_the_operator():
+    pj = one("pytorchjob.yaml", "PyTorchJob")
+    spec, worker = pj["spec"], pj["spec"]["pytorchReplicaSpecs"]["Worker"]
+    containers = worker["template"]["spec"]["containers"]
+    assert any(c["name"] == "pytorch" for c in containers)  # the webhook requires it
+    assert all(c.get("image") for c in containers)
+    elastic = spec["elasticPolicy"]
+    assert elastic["minReplicas"] <= worker["replicas"] <= elastic["maxReplicas"]
+    assert "nProcPerNode" not in elastic  # deprecated, and forbidden with spec.nprocPerNode
+    assert "restartPolicy" not in worker["template"]["spec"]  # the operator sets it
+    # ExitCode: 1-127 permanent, 128-255 retried (training-operator's IsRetryableExitCode).
+    assert worker["restartPolicy"] == "ExitCode"
+    for code in (exit_codes.USAGE, exit_codes.DO_NOT_REQUEUE):
+        assert code < 128  # never retried
+    assert exit_codes.SIGNAL_BASE + signal.SIGTERM >= 128  # a preempted pod is re-created
+
+
+def _args(container: dict) -> list[str]:
+    return container.get("command", [])[1:] + container.get("args", [])
+
+
+def _flag(args: list[str], flag: str) -> str:
+    for i, arg in enumerate(args):
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+        if arg == flag:
+            return args[i + 1]
+    raise AssertionError(f"{flag} not in {args}")
+
+
+def _quantity(text: str) -> float:
+    units = {"Ki": 1024, "Mi": 1024 ** 2, "Gi": GIB, "Ti": 1024 ** 4, "": 1}
+    m = re.fullmatch(r"([0-9.]+)(Ki|Mi|Gi|Ti|)", str(text))
+    assert m, f"quantity {text!r}: not rendered by this test"
+    return float(m.group(1)) * units[m.group(2)]
+
+
+@pytest.mark.parametrize("name, kind", [("jobset.yaml", "JobSet"),
+                                        ("indexed-job.yaml", "Job"),
+                                        ("pytorchjob.yaml", "PyTorchJob")])
+def test_pods_have_shm_staging_a_doctor_and_gpus_that_agree(name, kind, monkeypatch):
+    spec = pod_spec(one(name, kind))
+    agent = agent_container(spec)
+    (check,) = [c for c in spec["initContainers"] if c["command"][:2] == ["ftlaunch", "doctor"]]
+    assert check["image"] == agent["image"]
+    (shm,) = [v for v in spec["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
+    for c in (agent, check):  # the doctor must see the /dev/shm the agent will use
+        assert {"name": shm["name"], "mountPath": "/dev/shm"} in c["volumeMounts"]
+    staging = float(_flag(_args(check), "--staging-gib"))
+    replicas = int(_flag(_args(check), "--ckpt-replicas"))
+    assert replicas == int(_flag(_args(agent), "--ckpt-replicas"))
+    size = _quantity(shm["emptyDir"]["sizeLimit"])
+
+    def statvfs_of_size(total: float):
+        blocks = int(total // 4096)
+        return lambda path: os.statvfs_result((4096, 4096, blocks, blocks, blocks, 0, 0, 0, 0,
+                                               255))
+    # The doctor's own check, on a /dev/shm of the sizeLimit: room for the staging.
+    monkeypatch.setattr(os, "statvfs", statvfs_of_size(size))
+    assert doctor.check_shm(staging, replicas=replicas).status == "ok"
+    monkeypatch.setattr(os, "statvfs", statvfs_of_size(2 * staging * (1 + replicas) * GIB - GIB))
+    assert doctor.check_shm(staging, replicas=replicas).status == "fail"
+    monkeypatch.undo()
+    # tmpfs pages count against the container's memory limit.
+    assert _quantity(agent["resources"]["limits"]["memory"]) >= size
+    gpus = int(agent["resources"]["limits"]["nvidia.com/gpu"])
+    assert check["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    nproc = _flag(_args(agent), "--nproc-per-node") if kind != "PyTorchJob" \
+        else one(name, kind)["spec"]["nprocPerNode"]
+    assert int(nproc) == gpus == int(_flag(_args(check), "--nproc"))
+    assert spec.get("shareProcessNamespace", False) is False  # ftlaunch stays PID 1
+    assert agent["workingDir"] == "/workspace"  # where configs/Dockerfile puts train.py
+
+
+# --- SLURM ---------------------------------------------------------------------------------------
+
+def test_sbatch_script_parses():
+    assert subprocess.run(["bash", "-n", str(SBATCH)]).returncode == 0
+
+
+def sbatch_options() -> dict[str, str | None]:
+    options: dict[str, str | None] = {}
+    for line in SBATCH.read_text().splitlines():
+        if line.startswith("#SBATCH"):
+            for opt in line.split()[1:]:
+                key, sep, value = opt.partition("=")
+                options[key] = value if sep else None
+        elif line.strip() and not line.startswith("#"):
+            break  # sbatch reads directives only before the first command
+    return options
+
+
+def test_sbatch_directives():
+    o = sbatch_options()
+    assert o["--nodes"] == "2" and o["--ntasks-per-node"] == "1"
+    assert "--requeue" in o
+    assert o["--signal"] == "B:USR1@120"
+
+
+FAKE_SRUN = r"""#!/bin/bash
+# Stand-in for srun: records its argv, then runs the command as one local task.
+printf '%s\n' "$@" > "$FAKE_LOG/srun.$(date +%s%N).args"
+while [[ $1 == -* ]]; do shift; done
+SLURM_STEP_ID=0 SLURM_NODEID=0 SLURMD_NODENAME=gpu-07 "$@"
+"""
+FAKE_SCONTROL = r"""#!/bin/bash
+printf '%s\n' "$*" >> "$FAKE_LOG/scontrol"
+"""
+FAKE_FTLAUNCH = r"""#!/bin/bash
+# Stand-in for the agent: records its secret; exits $FAKE_RC, or on SIGTERM with 143.
+printf '%s\n' "$FTLAUNCH_SECRET" >> "$FAKE_LOG/secrets"
+if [[ -n ${FAKE_WAIT:-} ]]; then
+    trap 'echo TERM >> "$FAKE_LOG/ftlaunch.signals"; exit 143' TERM
+    touch "$FAKE_LOG/ftlaunch.ready"
+    for _ in $(seq 200); do sleep 0.05; done
+    exit 99
+fi
+exit "${FAKE_RC:-0}"
+"""
+
+
+@pytest.fixture
+def slurm(tmp_path: Path) -> dict[str, str]:
+    """A PATH with srun, scontrol and ftlaunch stand-ins, and the batch job's env."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    log.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL),
+                       ("ftlaunch", FAKE_FTLAUNCH)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "PET_", "FTLAUNCH_"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_LOG=str(log), SLURM_JOB_ID="4242",
+               SLURM_JOB_NAME="ftlaunch-train", SLURM_JOB_NUM_NODES="2", SLURM_NNODES="2",
+               FTLAUNCH_AGENT_PIDFILE=str(tmp_path / "agent.pid"))
+    return env
+
+
+def run_sbatch(env: dict[str, str], **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SBATCH)], cwd=ROOT, env={**env, **extra},
+                          capture_output=True, text=True, timeout=30)
+
+
+def srun_calls(env: dict[str, str]) -> list[list[str]]:
+    files = sorted(Path(env["FAKE_LOG"]).glob("srun.*.args"))
+    return [f.read_text().splitlines() for f in files]
+
+
+def requeues(env: dict[str, str]) -> list[str]:
+    path = Path(env["FAKE_LOG"]) / "scontrol"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.mark.parametrize("code, requeued", [(0, False), (1, True), (2, False), (3, False),
+                                            (143, True), (137, True), (4, False)])
+def test_sbatch_maps_exit_codes_to_requeue(slurm, code, requeued):
+    done = run_sbatch(slurm, FAKE_RC=str(code))
+    assert done.returncode == code, done.stderr
+    assert requeues(slurm) == (["requeue 4242"] if requeued else [])
+
+
+def test_sbatch_stops_requeueing_after_the_limit(slurm):
+    done = run_sbatch(slurm, FAKE_RC="1", SLURM_RESTART_COUNT="10")
+    assert done.returncode == 1 and requeues(slurm) == []
+    assert "requeued 10 times already" in done.stderr
+
+
+def test_sbatch_verdicts_when_sourced(slurm):
+    """The mapping is a function other scripts can source; sourcing runs no job."""
+    codes = [0, 1, 2, 3, 137, 143, 4]
+    out = subprocess.run(["bash", "-c", f'source "{SBATCH}"; for c in {" ".join(map(str, codes))}'
+                          '; do ftlaunch_verdict $c; done'], env=slurm, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert dict(zip(codes, out, strict=True)) == {0: "done", 1: "requeue", 2: "stop",
+                                                  3: "stop", 137: "requeue", 143: "requeue",
+                                                  4: "stop"}
+    assert srun_calls(slurm) == []
+
+
+def test_sbatch_runs_one_agent_per_node_without_rendezvous_flags(slurm, monkeypatch):
+    assert run_sbatch(slurm).returncode == 0
+    (call,) = srun_calls(slurm)
+    srun_opts = call[:next(i for i, a in enumerate(call) if not a.startswith("-"))]
+    assert "--ntasks-per-node=1" in srun_opts and "--overlap" not in srun_opts
+    assert call.count("ftlaunch") == 1
+    argv = call[call.index("ftlaunch") + 1:]
+    script = next(a for a in argv if a.endswith(".py"))
+    flags = argv[:argv.index(script)]
+    assert not [f for f in flags if f.startswith(("--rdzv", "--master", "--nnodes",
+                                                  "--node-rank", "--standalone"))]
+    secrets = (Path(slurm["FAKE_LOG"]) / "secrets").read_text().split()
+    assert len(secrets) == 1 and re.fullmatch(r"[0-9a-f]{64}", secrets[0])
+    # What each node's agent resolves inside the step (srun's env for 2 nodes):
+    lead = int(sbatch_options()["--signal"].rsplit("@", 1)[1])
+    step = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NNODES": "2",
+            "SLURM_STEP_NUM_NODES": "2", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_JOB_NODELIST": "gpu-[07-08]", "SLURM_STEP_NODELIST": "gpu-[07-08]",
+            "SLURM_GPUS_ON_NODE": "8", "SLURM_RESTART_COUNT": "1"}
+    for node in range(2):
+        env = {**step, "SLURM_NODEID": str(node)}
+        with monkeypatch.context() as m:
+            for name in list(os.environ):
+                if name.startswith(("PET_", "FTLAUNCH_")):
+                    m.delenv(name)
+            m.chdir(ROOT)
+            r = resolve(argv, env)
+        assert r.cluster.scheduler == "slurm" and r.cluster.restart_count == 1
+        assert (r.config.nnodes, r.sources["nnodes"]) == ("2", "slurm SLURM_STEP_NUM_NODES")
+        assert (r.config.node_rank, r.sources["node_rank"]) == (node, "slurm SLURM_NODEID")
+        assert r.config.coordinator_endpoint() == ("gpu-07", 29400 + 4242 % 1000)
+        assert r.config.rdzv_id == "4242" and r.config.nproc_per_node == "8"
+        assert dry_run_report(r)["torchrun"]["rdzv_endpoint"] == "gpu-07:29642"
+        # The ranks' grace ends, and the agent exits, before the time limit.
+        assert r.config.grace_period + 20 <= lead
+        assert "SIGTERM" in r.config.signals_to_handle  # what the USR1 trap sends
+
+
+def test_sbatch_secret_is_new_for_every_run(slurm):
+    run_sbatch(slurm)
+    run_sbatch(slurm)
+    secrets = (Path(slurm["FAKE_LOG"]) / "secrets").read_text().split()
+    assert len(secrets) == 2 and secrets[0] != secrets[1]
+
+
+def test_sbatch_usr1_stops_the_agents_with_sigterm_and_requeues(slurm):
+    """SLURM's USR1 (time limit near) reaches the batch shell; the trap sends SIGTERM to the
+    agent's pid through an overlapping step; the agent leaves with 143; the job requeues."""
+    batch = subprocess.Popen(["bash", str(SBATCH)], cwd=ROOT, env={**slurm, "FAKE_WAIT": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready = Path(slurm["FAKE_LOG"]) / "ftlaunch.ready"
+    deadline = time.monotonic() + 10
+    while not ready.exists():
+        assert time.monotonic() < deadline and batch.poll() is None, batch.communicate()
+        time.sleep(0.02)
+    batch.send_signal(signal.SIGUSR1)
+    _, err = batch.communicate(timeout=10)
+    assert batch.returncode == 143, err
+    assert (Path(slurm["FAKE_LOG"]) / "ftlaunch.signals").read_text().split() == ["TERM"]
+    _step, stop = srun_calls(slurm)
+    assert "--overlap" in stop and "kill -TERM" in " ".join(stop)
+    assert requeues(slurm) == ["requeue 4242"]
+
+
+# --- Dockerfile ----------------------------------------------------------------------------------
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments), continuation lines joined, comments dropped."""
+    out, current = [], ""
+    for raw in (CONFIGS / "Dockerfile").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        current += line
+        word, _, rest = current.partition(" ")
+        out.append((word.upper(), rest.strip()))
+        current = ""
+    return out
+
+
+def test_dockerfile_installs_from_source_with_ftlaunch_as_entrypoint():
+    steps = dockerfile()
+    args = dict(a.split("=", 1) for kind, a in steps if kind == "ARG" and "=" in a)
+    (base,) = [re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], a) for k, a in steps
+               if k == "FROM"]
+    assert base.startswith(("pytorch/pytorch:", "nvcr.io/nvidia/pytorch:"))
+    assert "cuda" in base or base.startswith("nvcr.io/")  # NGC's images are all CUDA
+    (entry,) = [json.loads(a) for k, a in steps if k == "ENTRYPOINT"]
+    assert entry == ["ftlaunch"]  # exec form: ftlaunch is PID 1 and reaps orphans
+    assert not [a for _, a in steps if "tini" in a]
+    # Everything the package needs is copied in, from paths that exist.
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    copied = set()
+    for kind, a in steps:
+        if kind == "COPY":
+            *sources, _dest = a.split()
+            for src in sources:
+                assert (ROOT / src).exists(), f"COPY {src}: not in the build context"
+                copied.add(src)
+    packages = {p.strip() for p in setup["options.packages.find"]["include"].split()
+                if p.strip() and "*" not in p}
+    assert packages | {"setup.cfg", "pyproject.toml"} <= copied
+    (install,) = [a for k, a in steps if k == "RUN" and "pip install" in a]
+    extras = re.search(r'pip install "?\.\[([\w,]+)\]"?', install)
+    assert extras, "pip install of the copied source (.[extras])"
+    assert set(extras.group(1).split(",")) == {"s3", "stacks"}
+    assert {"s3", "stacks"} <= set(setup["options.extras_require"])
+    # The example script lands where the manifests run it from.
+    workdirs = [a for k, a in steps if k == "WORKDIR"]
+    assert workdirs[-1] == "/workspace"
+    assert ("COPY", "scripts/train_gpt.py ./train.py") in steps
+    for name, kind in (("jobset.yaml", "JobSet"), ("indexed-job.yaml", "Job"),
+                       ("pytorchjob.yaml", "PyTorchJob")):
+        agent = agent_container(pod_spec(one(name, kind)))
+        assert agent["workingDir"] == workdirs[-1] and "train.py" in agent["args"]
