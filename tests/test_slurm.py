@@ -231,7 +231,6 @@ def test_a_lost_node_requeues_the_job_which_resumes_from_its_checkpoint(slurm, j
         p.send_signal(signal.SIGKILL)
     requeued = slurm.wait_job(j.id, lambda f: f.get("Restarts") == "1" and
                               f.get("JobState") == "PENDING", JOB_TIMEOUT, "requeued")
-    assert requeued["Reason"] == "BeginTime", requeued
     first = int(re.search(r"srun exit (\d+)", j.log("batch.log"))[1])
     assert first == 1 or first >= 128, j.logs()  # what the batch script requeues on
     record = j.wait_done()
