@@ -449,6 +449,15 @@ class Agent:
     def _follow_coordinator(self) -> None:
         """The coordinator's node went silent: stop our ranks and re-join its successor."""
         lost = self.control.coordinator_node
+        if self.phase == Phase.FINISHED:
+            # Every rank here finished, so the job trained to its end (its steps are
+            # collectives): the coordinator's node is gone because the job ended while we
+            # were frozen or cut off, not because it needs a successor waiting for nodes
+            # that have all left.
+            self.events.emit("coordinator_lost", f"coordinator node {lost} gone after every "
+                             "rank here finished: the job is over", lost=lost, successor="")
+            self._on_stop(exit_codes.OK, "")
+            return
         group_world_size = self.assignment.group_world_size if self.assignment else 0
         successor = self.control.fail_over(self.epoch, self.restart_count, group_world_size)
         if successor is None:

@@ -523,3 +523,20 @@ def test_the_diagram_in_the_docs_is_the_transition_table():
         drawn |= {(Phase(s.strip()), Phase(target)) for s in sources.split(",")}
     table = {(a, b) for a, targets in TRANSITIONS.items() for b in targets}
     assert drawn == table, f"drawn only: {drawn - table}; in the table only: {table - drawn}"
+
+
+def test_a_finished_node_that_loses_its_coordinator_ends_with_0():
+    """Every rank here finished when the coordinator's node went silent: the job ended
+    (a frozen or cut-off node finds its coordinator gone once it is back). It exits 0
+    instead of hosting a successor and waiting join_timeout for nodes that all left."""
+    machine = AgentMachine()
+    machine.maybe_running(running=True, restartable=False)
+    assert machine.agent.phase == Phase.RUNNING
+    machine.every_rank_finishes()
+    for rank in list(machine.workers.alive()):
+        machine.agent.on_rank_exit(machine.workers.reap(rank))
+    assert machine.agent.phase == Phase.FINISHED
+    machine.control.lost = True
+    machine.agent.on_timers(machine.now)
+    assert machine.agent.phase == Phase.DONE and machine.agent.exit_code == exit_codes.OK
+    assert machine.control.lost, "no fail-over to a successor"

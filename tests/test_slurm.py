@@ -229,8 +229,8 @@ def test_a_lost_node_requeues_the_job_which_resumes_from_its_checkpoint(slurm, j
     assert victims, "found no process of node 1"
     for p in victims:  # all at once: nothing on the node gets to react
         p.send_signal(signal.SIGKILL)
-    requeued = slurm.wait_job(j.id, lambda f: f.get("Restarts") == "1" and
-                              f.get("JobState") == "PENDING", JOB_TIMEOUT, "requeued")
+    slurm.wait_job(j.id, lambda f: f.get("Restarts") == "1" and f.get("JobState") == "PENDING",
+                   JOB_TIMEOUT, "requeued")
     first = int(re.search(r"srun exit (\d+)", j.log("batch.log"))[1])
     assert first == 1 or first >= 128, j.logs()  # what the batch script requeues on
     record = j.wait_done()
