@@ -91,6 +91,23 @@ def test_pytorchjob_spelling_and_master_addr():
         ("train-worker-0", 23456)
 
 
+def test_kubeflow_trainer_v2_pod_resolves_from_its_pet_variables(tmp_path, monkeypatch):
+    """Trainer v2 (TrainJob) sets torchrun's own PET_* names, pod 0's name as the master and
+    the node rank from the completion index: read at the environment's rank, as torchrun."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    env = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "1",
+           "PET_NNODES": "2", "PET_NPROC_PER_NODE": "8", "PET_NODE_RANK": "1",
+           "PET_MASTER_ADDR": "llama-node-0-0.llama", "PET_MASTER_PORT": "29500"}
+    for name, value in env.items():  # click reads PET_* from the process environment
+        monkeypatch.setenv(name, value)
+    r = resolve([str(script)], env)
+    assert (r.config.nnodes, r.config.nproc_per_node, r.config.node_rank) == ("2", "8", 1)
+    assert (r.config.master_addr, r.config.master_port) == ("llama-node-0-0.llama", 29500)
+    assert r.sources["node_rank"] == "env PET_NODE_RANK"
+    assert r.sources["master_addr"] == "env PET_MASTER_ADDR"
+
+
 def test_jobset_pod_finds_pod_zero_and_its_restart_attempt():
     cluster = detect({"JOB_COMPLETION_INDEX": "3", "JOBSET_NAME": "llama",
                       "JOBSET_REPLICATED_JOB": "nodes", "JOBSET_RESTART_ATTEMPT": "1"})
