@@ -55,6 +55,7 @@ STRICT_ENV = "FTLAUNCH_STRICT"
 """Set (the test suite does): an illegal phase transition raises instead of being logged."""
 
 log = logging.getLogger("ftlaunch.agent")
+PROGRESS_EVERY = 1.0  # seconds between "progress" events while the step advances
 
 
 class Agent:
@@ -85,6 +86,7 @@ class Agent:
         self.shutdown_signal: int | None = None
         self.restart_count = 0
         self.committed_step = -1  # the newest checkpoint step every rank made durable
+        self.progress_step, self.progress_at = -1, 0.0  # the last "progress" event's step, next
         self.draining = ""  # a GPU finding that wants this node out at the next safe point
         self.dead_pids: set[int] = set()  # whose GPU memory must be free before a restart
         self.replicate_to: messages.Peers = ()  # peers keeping copies of our staged shards
@@ -244,6 +246,7 @@ class Agent:
         self.recovery = self.recovery or PhaseClock()
         self.recovery.mark("decide")
         self.order, self.policy = msg, msg.policy
+        self._note_progress(self.clock(), now=True)
         self.events.emit("recovering", f"{msg.cause} -> {msg.policy} restart "
                          f"{msg.restart_count}/{self.config.max_restarts}",
                          cause=msg.cause, policy=msg.policy, restart_count=msg.restart_count,
@@ -278,6 +281,7 @@ class Agent:
             return  # our own signal shutdown ends the job, honouring the grace period
         if self.phase == Phase.STOPPING and self.after_stop[0] == Phase.DONE:
             return  # on our way out already (we left the job)
+        self._note_progress(self.clock(), now=True)
         if exit_code == exit_codes.OK:
             self.events.emit("job_finished", "all ranks finished", exit_code=exit_code)
         else:
@@ -310,6 +314,7 @@ class Agent:
     def on_rank_messages(self) -> None:
         now = self.clock()
         news = self.hub.receive(now)
+        self._note_progress(now)
         for shard_rank, step in news.durable:  # the coordinator tells when every rank's is
             self._send(messages.Durable(node_id=self.plan.node_id, rank=shard_rank, step=step))
         if self.assignment is not None and self.replicate_to:
@@ -333,10 +338,19 @@ class Agent:
                     signal="", error_file=rank.error_file, time=time.time(),
                     message=f"raised {last}", traceback=error))
 
+    def _note_progress(self, clock: float, now: bool = False) -> None:
+        """A ``progress`` event with the highest step a rank reached, at most once a second
+        (``now``: at once, before a failure or the end): the timeline goodput is read from."""
+        step = self.hub.best_step
+        if step > self.progress_step and (now or clock >= self.progress_at):
+            self.events.emit("progress", f"step {step}", console=False, step=step)
+            self.progress_step, self.progress_at = step, clock + PROGRESS_EVERY
+
     def _report_failure(self, failure: failures.RankFailure) -> None:
         """An attempt's first failure goes to the coordinator, which orders the recovery."""
         self.first_failure = failure
         self.recovery = PhaseClock()
+        self._note_progress(self.clock(), now=True)
         self.events.emit("rank_failed", f"rank {failure.rank} {failure.cause}",
                          rank=failure.rank, local_rank=failure.local_rank,
                          exit_code=failure.exit_code, signal=failure.signal)
@@ -370,16 +384,16 @@ class Agent:
                     if purpose == "replica":  # whole: the coordinator counts it
                         self._send(messages.Replicated(node_id=self.plan.node_id, rank=h.rank,
                                                        step=h.step))
-                    self.events.emit(f"{purpose}_pulled", f"rank {h.rank}'s step {h.step} "
+                    self.events.emit("shard_copied", f"rank {h.rank}'s step {h.step} "
                                      f"({item.nbytes / 1e6:.1f} MB) copied from node {source}'s "
                                      f"memory in {item.seconds:.3f}s", console=False,
-                                     rank=h.rank, step=h.step, source=source,
+                                     purpose=purpose, rank=h.rank, step=h.step, source=source,
                                      nbytes=item.nbytes, seconds=item.seconds)
                 case replica_service.NotTransferred(held=h, source=source, purpose=purpose):
-                    self.events.emit(f"{purpose}_not_pulled", f"rank {h.rank}'s step {h.step} "
+                    self.events.emit("shard_not_copied", f"rank {h.rank}'s step {h.step} "
                                      f"not copied from node {source}: {item.reason}",
                                      console=purpose == "restore" or "shm" in item.reason,
-                                     rank=h.rank, step=h.step, source=source,
+                                     purpose=purpose, rank=h.rank, step=h.step, source=source,
                                      reason=item.reason)
                 case replica_service.FetchDone(pulled=pulled, failed=failed, seconds=seconds):
                     self.fetching = False
@@ -538,6 +552,7 @@ class Agent:
                           signals_to_handle=self.config.signals_to_handle)
         now = self.clock()
         self.hub.reset_steps()
+        self.progress_step = -1
         sources: dict[str, list[int]] = {"resumed": [], "forked": [], "fresh": []}
         template = self.template if self.policy != "cold" else None
         for local_rank in range(self.plan.local_world_size):

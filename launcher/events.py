@@ -1,8 +1,15 @@
-"""Job events: one JSON line each in ``<log-dir>/<run>/events.jsonl`` and one line on stderr."""
+"""Job events: one JSON line each in ``<log-dir>/<run>/events.jsonl`` and one line on stderr.
+
+Every line is ``{"v": SCHEMA_VERSION, "ts": <unix time>, "event": <kind>, <fields>...}``;
+``EVENTS`` lists every kind with the fields it may carry, and docs/events.md says what each
+means (a test holds the three together: the code's emits, this table, the document).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
 from pathlib import Path
 
@@ -10,6 +17,41 @@ from rich.console import Console
 from rich.text import Text
 
 _CONSOLE = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+EVENTS: dict[str, frozenset[str]] = {kind: frozenset(fields.split()) for kind, fields in {
+    # the node and its ranks
+    "gpu_health_monitor": "active",
+    "rank_template_ready": "seconds",
+    "rank_template_unsafe": "why",
+    "rank_template_died": "returncode",
+    "started": "world_size run_id",
+    "progress": "step",
+    "rank_failed": "rank local_rank exit_code signal",
+    "rank_hung": "rank reason stacks",
+    "gpu_health": "gpu finding severity detail action",
+    "gpu_memory_held": "pids",
+    "node_unhealthy": "reason",
+    # recoveries
+    "recovering": "cause policy restart_count delay",
+    "escalated": "ranks",
+    "coordinator_lost": "lost successor",
+    "restore_pulled": "pulled failed seconds",
+    "recovered": "restart_count seconds policy phases resumed forked fresh",
+    # checkpoints
+    "shard_copied": "purpose rank step source nbytes seconds",
+    "shard_not_copied": "purpose rank step source reason",
+    "checkpoint_committed": "step",
+    "checkpoint_in_memory": "step",
+    "checkpoint_persisted": "shards",
+    # the end
+    "signal": "signal",
+    "grace_expired": "",
+    "job_finished": "exit_code",
+    "job_failed": "exit_code reason",
+}.items()}
+"""Every event kind and the fields it may carry (beyond v, ts and event)."""
 
 
 class EventLog:
@@ -17,11 +59,18 @@ class EventLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._file = path.open("a", buffering=1)
+        self._strict = bool(os.environ.get("FTLAUNCH_STRICT"))  # the test suite sets it
 
     def emit(self, kind: str, text: str, console: bool = True, **fields) -> None:
         """Record ``kind`` with ``fields``; show ``text`` to the person watching (unless it
         is routine, like every checkpoint commit)."""
-        self._file.write(json.dumps({"ts": time.time(), "event": kind, **fields}) + "\n")
+        unknown = set(fields) - EVENTS[kind] if kind in EVENTS else {kind}
+        if unknown:  # a bug: the event or field is not in the schema (EVENTS, docs/events.md)
+            if self._strict:
+                raise ValueError(f"event {kind}: {sorted(unknown)} not in the schema")
+            log.error("event %s: %s not in the schema", kind, sorted(unknown))
+        self._file.write(json.dumps({"v": SCHEMA_VERSION, "ts": time.time(), "event": kind,
+                                     **fields}) + "\n")
         if not console:
             return
         style = "bold red" if kind in ("rank_failed", "job_failed") else "bold"
