@@ -144,6 +144,16 @@ class Node:
     def pids(self) -> list[int]:
         return namespace_pids(self.ns)
 
+    def write_hosts(self, entries: list[tuple[str, list[str]]]) -> None:
+        """Make this node's hosts file localhost plus ``entries`` (address, names), instead
+        of the cluster's nodeK names. Rewritten in place: ``ip netns exec`` bind-mounts the
+        file over /etc/hosts, which pins its inode, so what already runs here sees it too."""
+        text = "127.0.0.1 localhost\n" + "".join(
+            f"{addr} {' '.join(names)}\n" for addr, names in entries)
+        with open(NETNS_ETC / self.ns / "hosts", "r+") as f:
+            f.write(text)
+            f.truncate()
+
 
 @dataclass
 class Cluster:
