@@ -76,6 +76,7 @@ class Join(Body):
     rank_hint: int
     replica_port: int  # 0: keeps no replicas
     held: HeldShards  # checkpoint shards whole in this node's memory
+    restart_count: int  # the job's, as this agent knows it: a fresh coordinator takes the max
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,6 +193,18 @@ class Stop(Body):
     TYPE = "stop"
     exit_code: int
     reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Redirect(Body):
+    """The job's coordinator is elsewhere: a successor took over while the node at the
+    rendezvous endpoint was gone (a re-created pod 0). Sent by that successor to the
+    endpoint, and by a coordinator that never formed a round there to its agents."""
+
+    TYPE = "redirect"
+    coordinator_node: str
+    addr: str
+    port: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -313,7 +326,7 @@ class Resume(Body):
 
 CONTROL: dict[str, type[Body]] = {m.TYPE: m for m in (
     Join, Heartbeat, StoreReady, Failure, Finished, Durable, Replicated, Leave, Unhealthy,
-    HeartbeatAck, Assign, Start, Recover, Stop, Committed, InMemory)}
+    HeartbeatAck, Assign, Start, Recover, Stop, Redirect, Committed, InMemory)}
 LOCAL: dict[str, type[Body]] = {m.TYPE: m for m in (
     Hello, Restartable, Beat, Tick, Learned, Section, Parked, ShardDurable, ShardStaged,
     Abort, Resume, Committed)}

@@ -192,6 +192,8 @@ class Agent:
                                  console=False, step=step)
             case messages.Stop(exit_code=exit_code, reason=reason):
                 self._on_stop(exit_code, reason)
+            case messages.Redirect() if self.phase == Phase.JOINING:
+                self._send_join()  # to the coordinator the job now runs under
 
     def _on_assign(self, msg: messages.Assign) -> None:
         if self.phase != Phase.JOINING:
@@ -232,6 +234,8 @@ class Agent:
             self._enter(Phase.PREPARING, self.clock() + wait)
 
     def _on_recover(self, msg: messages.Recover) -> None:
+        # The next attempt's count: our join carries it, should the coordinator go meanwhile.
+        self.restart_count = max(self.restart_count, msg.restart_count)
         verdict = node_policy.recover_action(self.phase, self.draining)
         if verdict.action == OrderAction.LEAVE:
             self._leave_unhealthy(self.draining)
@@ -513,7 +517,7 @@ class Agent:
         if now - self.last_loop > self.config.node_timeout / 2:
             self.control.woke(now)  # we were frozen: the silence was ours
         self.last_loop = now
-        self.control.heartbeat_if_due(now)
+        self.control.heartbeat_if_due(now, self.epoch)
         if self.phase in (Phase.STOPPING, Phase.LEAVING, Phase.DONE):
             return
         if self.control.coordinator_lost(now):
@@ -639,7 +643,8 @@ class Agent:
                                  local_world_size=self.plan.local_world_size,
                                  addr=self.plan.addr, standby_port=self.control.standby_port or 0,
                                  rank_hint=self.plan.rank_hint, replica_port=self.replicas.port,
-                                 held=self.replicas.inventory()))
+                                 held=self.replicas.inventory(),
+                                 restart_count=self.restart_count))
 
     def _done(self, exit_code: int) -> None:
         self.exit_code = exit_code

@@ -15,7 +15,14 @@ from pathlib import Path
 
 import zmq
 
-from ftlaunch_contract.messages import Assign, Body, Heartbeat, HeartbeatAck, Successors
+from ftlaunch_contract.messages import (
+    Assign,
+    Body,
+    Heartbeat,
+    HeartbeatAck,
+    Redirect,
+    Successors,
+)
 from ftlaunch_contract.protocol import Codec, Envelope, ProtocolError
 from launcher import UsageError, membership
 from launcher.coordinator import Coordinator, JobState, bind_router
@@ -87,6 +94,7 @@ class ControlPlane:
         self.socket.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
         self._endpoint = f"tcp://{endpoint[0]}:{endpoint[1]}"
         self.socket.connect(self._endpoint)
+        self._rendezvous = self._endpoint if endpoint is not None else ""  # where agents meet
         self.last_heard = time.monotonic()
         self.next_heartbeat = time.monotonic() + heartbeat_interval
 
@@ -100,7 +108,12 @@ class ControlPlane:
         return state
 
     def _host(self, sock: zmq.Socket, state: JobState, takeover: str | None = None) -> None:
-        self.coordinator = Coordinator(sock, self._secret, state, takeover)
+        """``takeover``: as a successor, which also tells the rendezvous endpoint where the
+        job now runs (whatever comes up there next is sent here)."""
+        announce = (self._rendezvous, Redirect(coordinator_node=self.node_id, addr=self.addr,
+                                               port=self.standby_port)) \
+            if takeover and self._rendezvous else None
+        self.coordinator = Coordinator(sock, self._secret, state, takeover, announce)
         self.coordinator.start()
 
     def _try_to_host(self, endpoint: tuple[str, int]) -> None:
@@ -129,11 +142,21 @@ class ControlPlane:
         if isinstance(received.body, Assign):
             self.members = received.body.members
             self.coordinator_node = received.body.coordinator_node
+        elif isinstance(received.body, Redirect):  # the job runs under a successor: go there
+            self._reconnect(received.body.addr, received.body.port)
+            self.coordinator_node = received.body.coordinator_node
         return None if isinstance(received.body, HeartbeatAck) else received
 
-    def heartbeat_if_due(self, now: float) -> None:
+    def _reconnect(self, addr: str, port: int) -> None:
+        self.socket.disconnect(self._endpoint)
+        self._endpoint = f"tcp://{addr}:{port}"
+        self.socket.connect(self._endpoint)
+
+    def heartbeat_if_due(self, now: float, epoch: int) -> None:
+        """At our epoch: a coordinator that started afresh (its node re-created) learns the
+        job's from it, and its answers are then not stale to us."""
         if now >= self.next_heartbeat:
-            self.send(Heartbeat(node_id=self.node_id), 0)
+            self.send(Heartbeat(node_id=self.node_id), epoch)
             self.next_heartbeat = now + self._interval
 
     def woke(self, now: float) -> None:
@@ -168,16 +191,18 @@ class ControlPlane:
                 state.last_seen[node] = now
             self._host(self.standby, state, takeover=f"coordinator node {self.coordinator_node} lost")
             self.standby = None
-        self.socket.disconnect(self._endpoint)
-        self._endpoint = f"tcp://{entry.addr}:{entry.standby_port}"
-        self.socket.connect(self._endpoint)
+        self._reconnect(entry.addr, entry.standby_port)
         self.coordinator_node = successor
         self.last_heard = time.monotonic()
         return successor
 
     def close(self) -> None:
+        """Hosting, wait (up to the node timeout) until the job no longer needs us: a node
+        leaving by a signal tells the others to go on once their ranks have stopped, and
+        without that word they would wait the node timeout to find us gone."""
         self.socket.close()
         if self.coordinator is not None:
+            self.coordinator.wait_handed_over(self._node_timeout)
             self.coordinator.close()
         if self.standby is not None:
             self.standby.close(linger=0)

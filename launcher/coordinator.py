@@ -7,6 +7,7 @@ group rank starts a new one from the membership every agent holds (see docs/prot
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -33,6 +34,7 @@ from ftlaunch_contract.messages import (
     Peer,
     Peers,
     Recover,
+    Redirect,
     Replicated,
     Start,
     Stop,
@@ -98,6 +100,7 @@ class JobState:
     leaving: set[str] = field(default_factory=set)  # stopped by a signal: out at the next round
     first_finished_at: float | None = None
     final: tuple[int, str] | None = None  # (exit code, reason) once done
+    redirect: Redirect | None = None  # the job runs under a successor: send agents there
     commits: CommitLog = field(default_factory=lambda: CommitLog(0))  # of the current world
     copies: CommitLog = field(default_factory=lambda: CommitLog(0))  # steps copied to peers
     replicas: int = 0  # peers keeping a copy of each node's staged checkpoints
@@ -126,13 +129,24 @@ class Coordinator:
     """Serves one job on a bound ROUTER socket from a background thread."""
 
     def __init__(self, sock: zmq.Socket, secret: bytes, state: JobState,
-                 takeover_cause: str | None = None):
+                 takeover_cause: str | None = None,
+                 announce: tuple[str, Redirect] | None = None):
+        """``announce``: (the rendezvous endpoint, where we are): a successor tells whatever
+        comes up there (a re-created pod 0, a restarted agent) that the job runs here."""
         self._codec = Codec(secret)
         self._state = state
         self._socket = sock
         self._stopping = threading.Event()
+        self._handed_over = threading.Event()  # see handed_over()
         self._thread = threading.Thread(target=self._serve, name="ftlaunch-coordinator",
                                         daemon=True)
+        self._announcer: zmq.Socket | None = None
+        self._announcement = announce[1] if announce else None
+        if announce:
+            self._announcer = sock.context.socket(zmq.DEALER)
+            self._announcer.setsockopt(zmq.LINGER, 0)
+            self._announcer.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued while no one is there
+            self._announcer.connect(announce[0])
         if takeover_cause:
             self._recover_from(f"{takeover_cause}", time.monotonic())
 
@@ -143,6 +157,21 @@ class Coordinator:
         self._stopping.set()
         self._thread.join(timeout=5)
         self._socket.close()
+        if self._announcer is not None:
+            self._announcer.close()
+
+    def wait_handed_over(self, timeout: float) -> bool:
+        """Until the job no longer needs this coordinator's host: it is over, or the host
+        node is not one of its leaving nodes (the others are told to go on once their ranks
+        stopped), or the job runs elsewhere."""
+        return self._handed_over.wait(timeout)
+
+    def _check_handed_over(self) -> None:
+        s = self._state
+        if s.final is not None or s.host_node not in s.leaving or s.redirect is not None:
+            self._handed_over.set()
+        else:
+            self._handed_over.clear()
 
     # --- loop ----------------------------------------------------------------------------
 
@@ -161,6 +190,15 @@ class Coordinator:
                     self._tick(time.monotonic())
                 except Exception:
                     log.exception("coordinator tick failed")
+                self._announce()
+            self._check_handed_over()
+
+    def _announce(self) -> None:
+        if self._announcer is not None and self._announcement is not None \
+                and self._state.final is None:
+            with contextlib.suppress(zmq.Again):  # no one at the endpoint (yet)
+                self._announcer.send_multipart(
+                    self._codec.encode(self._announcement, self._state.epoch), zmq.NOBLOCK)
 
     def _drain(self) -> None:
         """Handle every message already queued."""
@@ -193,6 +231,26 @@ class Coordinator:
         if s.final is not None:  # the job is over: tell whoever still talks to us
             self._send(identity, Stop(exit_code=s.final[0], reason=s.final[1]))
             return
+        if isinstance(msg, Redirect):
+            if not s.group_ranks and s.redirect is None and msg.coordinator_node != s.host_node:
+                # We never formed a round: the job went on under a successor while our node
+                # was gone (we are a re-created pod 0). Send our agents, and any that come,
+                # there.
+                log.warning("the job runs under coordinator node %s at %s:%d: redirecting "
+                            "agents there", msg.coordinator_node, msg.addr, msg.port)
+                s.redirect = msg
+                for node_identity in s.identities.values():
+                    self._send(node_identity, msg)
+            return
+        if s.redirect is not None:
+            self._send(identity, s.redirect)
+            return
+        if received.epoch > s.epoch:
+            # An agent of this job from before we started (our node was re-created and is
+            # the endpoint again): continue its epochs, or our orders would look stale to it.
+            log.info("adopting epoch %d from %s (ours was %d)", received.epoch, msg.TYPE,
+                     s.epoch)
+            s.epoch = received.epoch
         if isinstance(msg, Heartbeat):
             if node in s.members or node in s.group_ranks:  # after a takeover: not joined yet
                 s.last_seen[node] = now
@@ -255,6 +313,8 @@ class Coordinator:
         s.replica_ports[node], s.held[node] = msg.replica_port, msg.held
         s.identities[node] = identity
         s.last_seen[node] = now
+        # A coordinator that started afresh (its node re-created) learns the job's restarts.
+        s.restart_count = max(s.restart_count, msg.restart_count)
         if s.phase == RoundPhase.JOINING and (node in s.round_joined
                                               or len(s.round_joined) < s.max_nodes):
             s.round_joined.add(node)

@@ -146,8 +146,8 @@ def ft_agents(port, n, node_loss, limit):
     t0, cpu = time.monotonic(), cpu_seconds()
     for i in range(n):
         w.send(i, "join", node_id=node_id(i), local_world_size=LOCAL_WORLD, addr="127.0.0.1",
-               rank_hint=-1,
-               standby_port=20000 + i)
+               rank_hint=-1, standby_port=20000 + i, replica_port=0, held=(),
+               restart_count=0)
     w.pump(lambda: w.all_got("assign"), limit)
     assigns = {i: m for i, (_, m) in w.got["assign"].items()}
     by_rank = {m.body.group_rank: i for i, m in assigns.items()}
@@ -267,7 +267,8 @@ def bench_failover(n=64, node_timeout=1.0, interval=0.2, limit=30.0):
 
     def join(p):
         p.send(Join(node_id=p.node_id, local_world_size=LOCAL_WORLD, addr="127.0.0.1",
-                    rank_hint=-1, standby_port=p.standby_port), 0)
+                    rank_hint=-1, standby_port=p.standby_port, replica_port=0, held=(),
+                    restart_count=0), 0)
 
     def run_until(done):  # the agent's loop, as far as the control plane goes
         end = time.monotonic() + limit
@@ -279,8 +280,8 @@ def bench_failover(n=64, node_timeout=1.0, interval=0.2, limit=30.0):
                     if msg.body.group_rank == 0:
                         p.send(StoreReady(master_addr="127.0.0.1", master_port=1), msg.epoch)
             for p in planes.values():
-                p.heartbeat_if_due(time.monotonic())
                 last = assigns.get(p.node_id)
+                p.heartbeat_if_due(time.monotonic(), last.epoch if last else 0)
                 if p.coordinator_lost(time.monotonic()) and p.fail_over(
                         last.epoch, last.body.restart_count, last.body.group_world_size):
                     join(p)

@@ -177,7 +177,7 @@ class FakeControl:
         self.machine.on_sent(msg.TYPE)
         self.sent.append(msg)
 
-    def heartbeat_if_due(self, now: float) -> None:
+    def heartbeat_if_due(self, now: float, epoch: int) -> None:
         pass
 
     def woke(self, now: float) -> None:

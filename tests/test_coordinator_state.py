@@ -52,7 +52,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def join(self, node, size, held=()):
         """``held``: the checkpoint shards the node says it has in memory."""
         self._deliver(node, "join", node_id=node, local_world_size=size, addr=f"10.0.0.{node[1]}",
-                      standby_port=4000, rank_hint=-1, replica_port=4100, held=tuple(held))
+                      standby_port=4000, rank_hint=-1, replica_port=4100, held=tuple(held), restart_count=0)
         self.held[node] = set(held)
 
     @rule(node=st.sampled_from(NODES))
@@ -136,7 +136,7 @@ def _two_nodes_joined(held_by_node) -> tuple[Coordinator, CapturingSocket]:
     for i, (node, held) in enumerate(held_by_node.items()):
         coordinator._handle(node.encode(), Envelope(0, CONTROL["join"](
             node_id=node, local_world_size=1, addr=f"10.0.0.{i + 1}", standby_port=4000,
-            rank_hint=-1, replica_port=4100 + i, held=tuple(held))), 1.0)
+            rank_hint=-1, replica_port=4100 + i, held=tuple(held), restart_count=0)), 1.0)
     coordinator._tick(1.1)
     return coordinator, socket
 
@@ -185,7 +185,7 @@ def test_a_node_lost_while_a_round_forms_gives_its_seat_to_a_waiting_spare():
     coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
     state = coordinator._state
     join = CONTROL["join"](node_id="spare", local_world_size=1, addr="10.0.0.3",
-                           standby_port=4000, rank_hint=-1, replica_port=4102, held=())
+                           standby_port=4000, rank_hint=-1, replica_port=4102, held=(), restart_count=0)
     coordinator._handle(b"spare", Envelope(0, join), 1.2)
     coordinator._handle(b"a", Envelope(1, CONTROL["store_ready"](master_addr="10.0.0.1",
                                                                  master_port=29500)), 1.3)
@@ -196,7 +196,7 @@ def test_a_node_lost_while_a_round_forms_gives_its_seat_to_a_waiting_spare():
     assert state.phase == "joining"
     coordinator._handle(b"a", Envelope(1, CONTROL["join"](
         node_id="a", local_world_size=1, addr="10.0.0.1", standby_port=4000, rank_hint=0,
-        replica_port=4100, held=())), 2.1)
+        replica_port=4100, held=(), restart_count=0)), 2.1)
     for now in (3.0, 5.0, 6.0, 7.5):  # b is silent; a and the spare are not
         state.last_seen.update(a=now, spare=now)
         coordinator._tick(now)
@@ -231,7 +231,7 @@ def test_a_pod_stopped_by_sigterm_leaves_and_its_replacement_takes_its_seat():
     for node, now in (("a", 3.1), ("b-replacement", 4.0)):
         coordinator._handle(node.encode(), Envelope(1, CONTROL["join"](
             node_id=node, local_world_size=1, addr="10.0.0.9", standby_port=4000,
-            rank_hint=-1, replica_port=4100, held=())), now)
+            rank_hint=-1, replica_port=4100, held=(), restart_count=0)), now)
     coordinator._tick(5.5)
     assert sorted(state.group_ranks) == ["a", "b-replacement"]
     assert state.phase == "waiting_store" and state.restart_count == 1
@@ -243,3 +243,52 @@ def test_every_node_stopped_by_a_signal_ends_the_job_with_its_code():
     _leave(coordinator, "b", 2.0)
     _leave(coordinator, "a", 2.01)
     assert coordinator._state.final == (143, "every node left (SIGTERM)")
+
+
+def _fresh(host: str = "p0") -> tuple[Coordinator, CapturingSocket]:
+    """A coordinator that just started at the rendezvous endpoint (a re-created pod 0)."""
+    socket = CapturingSocket()
+    state = JobState(min_nodes=2, max_nodes=2, max_restarts=3, policy="rank", backoff=1.0,
+                     backoff_max=4.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=1.0, join_timeout=60.0, host_node=host, joining_since=1.0)
+    return Coordinator(socket, SECRET, state), socket
+
+
+def _join(coordinator: Coordinator, node: str, epoch: int, now: float) -> None:
+    coordinator._handle(node.encode(), Envelope(epoch, CONTROL["join"](
+        node_id=node, local_world_size=1, addr="10.0.0.9", standby_port=4000, rank_hint=-1,
+        replica_port=4100, held=(), restart_count=0)), now)
+
+
+def test_a_fresh_coordinator_continues_the_epochs_of_the_job_it_finds():
+    """Pod 0 re-created at the endpoint before the others noticed: their heartbeats carry
+    the job's epoch; the fresh coordinator's answer must not look stale to them."""
+    coordinator, socket = _fresh()
+    _join(coordinator, "p0", 0, 1.0)
+    coordinator._handle(b"p1", Envelope(7, CONTROL["heartbeat"](node_id="p1")), 1.1)
+    (to, reply), = [(to, m) for to, m in socket.sent if to == b"p1"]
+    assert reply.body.TYPE == "recover" and reply.epoch == 7  # p1 drops epochs below its 7
+    _join(coordinator, "p1", 7, 1.2)
+    coordinator._tick(1.3)
+    assigns = [m for to, m in socket.sent if m.body.TYPE == "assign"]
+    assert len(assigns) == 2 and all(m.epoch > 7 for m in assigns)
+
+
+def test_a_fresh_coordinator_redirects_its_agents_to_the_successor_the_job_runs_under():
+    coordinator, socket = _fresh()
+    _join(coordinator, "p0", 0, 1.0)
+    redirect = CONTROL["redirect"](coordinator_node="p1", addr="10.0.0.2", port=4000)
+    coordinator._handle(b"announcer", Envelope(3, redirect), 1.1)
+    assert [(to, m.body) for to, m in socket.sent] == [(b"p0", redirect)]
+    _join(coordinator, "p2", 0, 1.2)  # whoever comes next is sent there too
+    assert socket.sent[-1] == (b"p2", Envelope(0, redirect))
+    assert coordinator._state.phase == "joining" and not coordinator._state.group_ranks
+
+
+def test_a_coordinator_that_formed_a_round_ignores_a_redirect():
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    epoch, sent = coordinator._state.epoch, len(socket.sent)
+    coordinator._handle(b"announcer", Envelope(epoch + 5, CONTROL["redirect"](
+        coordinator_node="z", addr="10.0.0.2", port=4000)), 2.0)
+    assert coordinator._state.redirect is None and len(socket.sent) == sent
+    assert coordinator._state.epoch == epoch, "an announcement's epoch is not adopted"

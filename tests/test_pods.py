@@ -476,47 +476,58 @@ def test_a_two_pod_jobset_trains_to_the_end(fault_free):
     assert result["resumed_from"] == 0 and fault_free["created"] == 2
 
 
+@pytest.mark.parametrize("evicted, when", [(1, "at once"), (0, "at once"),
+                                            (0, "after the takeover")],
+                         ids=["pod 1", "pod 0, replaced at once", "pod 0, after the takeover"])
 def test_an_evicted_pod_is_recreated_joins_and_the_weights_equal_a_fault_free_run(
-        tmp_path, fault_free):
-    """Pod 1 evicted mid-run (a node drain: DisruptionTarget, then the kubelet's SIGTERM to
+        tmp_path, fault_free, evicted, when):
+    """A pod evicted mid-run (a node drain: DisruptionTarget, then the kubelet's SIGTERM to
     PID 1): ftlaunch saves and exits 143, the policy ignores it (a plain delete would count
-    it), the Job re-creates pod 1 with the same hostname in a fresh sandbox; its agent
-    joins the paused job, which finishes with the fault-free run's weights, bit for bit."""
+    it), the Job re-creates it with the same hostname in a fresh sandbox; its agent joins
+    the paused job, which finishes with the fault-free run's weights, bit for bit. Pod 0 is
+    the rendezvous endpoint and hosts the coordinator: its replacement binds the endpoint
+    again, and must join the job it finds there (replaced at once: the other pod reconnects
+    to the name before missing the old coordinator) or under the successor the other pod
+    started meanwhile ("after the takeover": it redirects the new pod 0's agent)."""
     fsx = tmp_path / "fsx"
     with emulated(tmp_path, 3, jobset_for_test(fsx)) as run:
-        first, second = run.create(0), run.create(1)
-        _wait_step([first, second], 10)
+        pods = [run.create(0), run.create(1)]
+        _wait_step(pods, 10)
+        gone, stays = pods[evicted], pods[1 - evicted]
         started = time.monotonic()
-        code = second.delete()
-        assert time.monotonic() - started < FTLAUNCH_GRACE + 5 and not second.killed
-        assert code == exit_codes.SIGNAL_BASE + signal.SIGTERM, second.output
-        assert "got SIGTERM: forwarded to ranks" in second.output, second.output
-        preempted = re.search(r"preempted at step (\d+) rank \d", second.output)
-        assert preempted, second.output
+        code = gone.delete()
+        assert time.monotonic() - started < FTLAUNCH_GRACE + 5 and not gone.killed
+        assert code == exit_codes.SIGNAL_BASE + signal.SIGTERM, gone.output
+        assert "got SIGTERM: forwarded to ranks" in gone.output, gone.output
+        preempted = re.search(r"preempted at step (\d+) rank \d", gone.output)
+        assert preempted, gone.output
         assert pod_failure_action(run.policy, {run.container: code}) == "Count"  # a delete
         # An eviction: the API server put DisruptionTarget on the pod before the kubelet
         # stopped it.
-        assert run.gone(second, code, frozenset({"DisruptionTarget"})) == "Ignore"
+        assert run.gone(gone, code, frozenset({"DisruptionTarget"})) == "Ignore"
         assert run.failed == 0 and run.failure is None
-        first.wait_for(r"left: the others go on", timeout=WAIT)  # the job waits for a node
-        assert first.proc.poll() is None
-        third = run.replace(second)
-        assert third.hostname == second.hostname and third.index == 1
-        assert third.sandbox.addr != second.sandbox.addr  # a new pod, a new address
-        assert first.sandbox.run("getent", "hosts", "fsdp-train-workers-0-1.fsdp-train") \
-            .split()[0] == third.sandbox.addr  # its DNS record moved with it
-        report = third.dry_run(run.workdir)
-        assert report["settings"]["node_rank"]["value"] == 1
+        stays.wait_for(r"left: the others go on", timeout=WAIT)  # the job waits for a node
+        if when == "after the takeover":
+            stays.wait_for(r"coordinator node \S+ lost: following this node", timeout=WAIT)
+        assert stays.proc.poll() is None
+        new = run.replace(gone)
+        assert new.hostname == gone.hostname and new.index == evicted
+        assert new.sandbox.addr != gone.sandbox.addr  # a new pod, a new address
+        name = f"fsdp-train-workers-0-{evicted}.fsdp-train"
+        assert stays.sandbox.run("getent", "hosts", name).split()[0] == new.sandbox.addr, \
+            "its DNS record moved with it"
+        report = new.dry_run(run.workdir)
+        assert report["settings"]["node_rank"]["value"] == evicted
         assert report["torchrun"]["rdzv_endpoint"] == "fsdp-train-workers-0-0.fsdp-train:29400"
-        resumed = third.wait_for(r"\[rank\d\]: start rank \d world 2 pid \d+ resume_from "
-                                 r"(\d+) \((.*?)\)", timeout=WAIT)
+        resumed = new.wait_for(r"\[rank\d\]: start rank \d world 2 pid \d+ resume_from "
+                               r"(\d+) \((.*?)\)", timeout=WAIT)
         assert int(resumed.group(1)) == int(preempted.group(1)), resumed.group(0)
         # Not from "shared memory": its /dev/shm is new, the old pod's staging went with it.
         assert resumed.group(2) == "storage" or resumed.group(2).startswith(
-            "peer memory (node fsdp-train-workers-0-0:"), resumed.group(0)
-        assert first.exit_code() == 0, first.output
-        assert third.exit_code() == 0, third.output
-        assert run.gone(first, 0) == run.gone(third, 0) == "Succeeded"
+            f"peer memory (node fsdp-train-workers-0-{1 - evicted}:"), resumed.group(0)
+        assert stays.exit_code() == 0, stays.output
+        assert new.exit_code() == 0, new.output
+        assert run.gone(stays, 0) == run.gone(new, 0) == "Succeeded"
     result = _result(fsx)
     assert result["final_step"] == STEPS and result["restart_count"] >= 1, result
     assert result["weights_sha256"] == fault_free["result"]["weights_sha256"], \
@@ -546,12 +557,11 @@ def test_a_pod_whose_gpu_is_fatal_exits_3_and_fails_the_jobset(tmp_path):
             second.output
         assert run.gone(second, code) == "FailJob"
         assert run.failure == "PodFailurePolicy" and not run.live
-        # Known ftlaunch bug, seen here: pod 0's rank, parked after pod 1 was excluded, does
-        # not leave on the SIGTERM (trainer_shim's preempted() handler only sets a flag while
-        # the rank waits in wait_resume()), so its agent SIGKILLs it after --grace-period
-        # ("grace period over" in its output): pod 0 takes its whole grace to go.
+        # Pod 0's rank, parked after pod 1 was excluded, leaves on the SIGTERM at once (it
+        # has nothing left to save), not after --grace-period.
         assert first.deleted_code == exit_codes.SIGNAL_BASE + signal.SIGTERM, first.output
         assert not first.killed, "pod 0 outlived its grace period"
+        assert "grace period over" not in first.output, first.output
         with pytest.raises(AssertionError, match="no replacement"):
             run.replace(second)
         assert [p.index for p in run.created] == [0, 1]

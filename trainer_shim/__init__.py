@@ -88,6 +88,7 @@ def heartbeat(step: int | None = None) -> None:
 
 _preempted = False
 _preemption_armed = False
+_parked = False  # waiting in restartable() for the agent's word to re-enter
 
 
 def preempted() -> bool:
@@ -114,6 +115,8 @@ def preempted() -> bool:
 def _on_sigterm(signum, frame) -> None:
     global _preempted
     _preempted = True
+    if _parked:  # out of training, its state saved: a stopping job sends no resume
+        raise SystemExit(128 + signum)
 
 
 def state_dict() -> dict[str, float]:
@@ -201,9 +204,22 @@ def restartable(fn: Callable[..., T]) -> Callable[..., T]:
             _link.parked(error[-4000:], _last_step)
             _last_step = -1  # the next entry's progress is its own
             _release_process_group()
-            os.environ.update(_link.wait_resume())
+            os.environ.update(_wait_resume())
 
     return run
+
+
+def _wait_resume() -> dict[str, str]:
+    """The agent's word to re-enter; a stop signal meanwhile (or before) ends the rank."""
+    global _parked
+    assert _link is not None
+    _parked = True  # then the flag: a signal between the two is seen by one or the other
+    try:
+        if _preempted:
+            raise SystemExit(128 + signal.SIGTERM)
+        return _link.wait_resume()
+    finally:
+        _parked = False
 
 
 def _release_process_group() -> None:
