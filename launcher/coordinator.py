@@ -294,8 +294,10 @@ class Coordinator:
                 s.first_finished_at = s.first_finished_at or now
                 if s.finished >= set(s.group_ranks) - s.leaving:
                     if s.leaving:  # they stopped with the leaving node (trainer_shim.preempted)
-                        self._recover_from(f"nodes {sorted(s.leaving)} left: the others go on",
-                                           now)
+                        # Not a failure (a pod deleted, a spot node reclaimed): like a scale-up,
+                        # it does not count against the restart budget.
+                        self._start_new_round(f"nodes {sorted(s.leaving)} left: the others "
+                                              "go on", s.restart_count, delay=0.0, now=now)
                     else:
                         self._finish(exit_codes.OK, "all ranks finished")
             case Leave() if msg.exit_code > exit_codes.SIGNAL_BASE:

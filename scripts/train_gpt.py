@@ -300,7 +300,8 @@ def train(ctx, args, shim):
         with open(args.out + ".tmp", "w") as f:
             json.dump(result, f)
         os.replace(args.out + ".tmp", args.out)
-    log(f"done rank {rank} step {max(args.steps, start)}")
+    log(f"{'stopped' if stopped_early else 'done'} rank {rank} step "
+        f"{step if stopped_early else max(args.steps, start)}")
     if distributed:
         # DDP's reducer must not hold the last reference to the process group: freed from
         # there, ~ProcessGroupGloo joins its threads with the GIL held and can deadlock

@@ -125,7 +125,9 @@ def check_jobset_pods(js: dict, monkeypatch, workdir: Path, restarts: int = 0) -
         assert (r.config.rdzv_id, r.sources["rdzv_id"]) == \
             (js["metadata"]["name"], "kubernetes JOBSET_NAME")
         assert (r.config.nproc_per_node, r.sources["nproc_per_node"]) == ("8", "flag")
-        assert r.config.log_dir == f"/fsx/ftlaunch-logs/{js['metadata']['name']}"
+        # On the shared FSx volume, a directory of each pod's own (no two agents' files meet).
+        assert r.config.log_dir == f"/fsx/ftlaunch-logs/{js['metadata']['name']}/" \
+            f"{pod['metadata']['name']}"
         assert f"--ckpt-dir=/fsx/checkpoints/{js['metadata']['name']}" in r.script_args
         assert env["FTLAUNCH_SECRET"] == SECRETS[("ftlaunch-secret", "secret")]
         _grace_margin_ok(js, r)
@@ -710,3 +712,28 @@ def test_dockerfile_installs_from_source_with_ftlaunch_as_entrypoint():
                        ("pytorchjob.yaml", "PyTorchJob")):
         agent = agent_container(pod_spec(one(name, kind)))
         assert agent["workingDir"] == workdirs[-1] and "train.py" in agent["args"]
+
+
+def _rendered_pods(name: str) -> list[dict]:
+    """Pods 0 and 1 of a manifest, as their controllers make them."""
+    if name == "jobset.yaml":
+        js = one(name, "JobSet")
+        return [jobset_pod(js, js["spec"]["replicatedJobs"][0]["name"], 0, i) for i in (0, 1)]
+    if name == "indexed-job.yaml":
+        job = one(name, "Job")
+        return [indexed_job_pod(job["metadata"]["name"], job["spec"], i) for i in (0, 1)]
+    return [pytorchjob_pod(one(name, "PyTorchJob"), "Worker", i) for i in (0, 1)]
+
+
+@pytest.mark.parametrize("name", ["jobset.yaml", "indexed-job.yaml", "pytorchjob.yaml"])
+def test_every_pod_logs_to_a_directory_of_its_own(name):
+    """Logs sit on the shared volume; an agent writes events.jsonl and each local rank's
+    error file under the same relative paths, so two pods must never share a --log-dir."""
+    dirs = []
+    for pod in _rendered_pods(name):
+        container = agent_container(pod["spec"])["name"]
+        argv = container_argv(pod, container, container_env(pod, container))
+        (log_dir,) = [a.split("=", 1)[1] for a in argv if a.startswith("--log-dir=")]
+        assert "$(" not in log_dir, f"{log_dir}: a variable the pod's env does not define"
+        dirs.append(log_dir)
+    assert len(set(dirs)) == 2, dirs

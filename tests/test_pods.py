@@ -20,8 +20,8 @@ What is emulated, and how:
   through the downward API, the secret, the Job controller's JOB_COMPLETION_INDEX,
   ``$(VAR)`` expansion. The image's own env (ftlaunch on PATH, ...) is this machine's.
 - The FSx volume is a directory of the test, seen by every sandbox (network namespaces share
-  the file system): checkpoints there are shared as on FSx; the args name it for /fsx. Each
-  pod's --log-dir is a directory of its own, as a node's disk.
+  the file system): checkpoints and logs there are shared as on FSx (the manifest gives each
+  pod a log directory of its own, by its name); the args name it for /fsx.
 - A node's GPUs: CPU ranks (gloo); where a test needs GPU health, a fake NVML
   (``FTLAUNCH_FAKE_NVML``, launcher/gpu_health.py) in the env of the pod on that node.
 - Deleting a pod is what the kubelet does: SIGTERM to PID 1, SIGKILL once the pod's
@@ -151,7 +151,8 @@ def jobset_for_test(fsx: Path, *, extra_flags: tuple[str, ...] = ()) -> dict:
                           "--log-dir"}, f"the manifest's flags changed: {flags}"
     flags["--nproc-per-node"] = "--nproc-per-node=1"  # one CPU rank per pod, not 8 GPUs
     flags["--grace-period"] = f"--grace-period={FTLAUNCH_GRACE}"
-    # --log-dir is set per pod (Pod): the manifest's, on FSx, is one directory for every pod.
+    # The FSx volume is the test's directory: logs (one directory per pod) and checkpoints.
+    flags["--log-dir"] = flags["--log-dir"].replace("=/fsx/", f"={fsx}/")
     (ckpt,) = [a for a in agent["args"][script:] if a.startswith("--ckpt-dir=/fsx/")]
     agent["args"] = [*flags.values(), *extra_flags, "train.py", *TRAIN_ARGS,
                      ckpt.replace("=/fsx/", f"={fsx}/"), f"--out={fsx}/result.json"]
@@ -294,15 +295,8 @@ class JobSet:
         address, published in DNS), then its container starts."""
         assert self.failure is None and index not in self.live
         manifest = jobset_pod(self.js, self.rjob["name"], 0, index)
-        n = sum(p.index == index for p in self.created)
         hostname = manifest["spec"]["hostname"]
         manifest["metadata"]["name"] = f"{hostname}-{uuid.uuid4().hex[:5]}"  # generateName
-        # Its own log directory (a node's disk): the manifest's --log-dir on FSx is the same
-        # for every pod, whose agents would then write to the same files.
-        agent = next(c for c in manifest["spec"]["containers"] if c["name"] == self.container)
-        logs = self.root / "pods" / f"{hostname}.{n}"
-        agent["args"] = [f"--log-dir={logs}/$(JOBSET_NAME)" if a.startswith("--log-dir=")
-                         else a for a in agent["args"]]
         pod = Pod(manifest, self.free.pop(0), self.container)
         self.live[index] = pod
         self.publish_dns()  # it has an address, in DNS, before its container starts
@@ -443,7 +437,7 @@ def fault_free(tmp_path_factory):
         addrs = [pod.sandbox.addr for pod in pods]
     return {"codes": codes, "verdicts": verdicts, "reports": reports, "facts": facts,
             "outputs": outputs, "addrs": addrs, "result": _result(fsx),
-            "created": len(run.created)}
+            "created": len(run.created), "fsx": fsx, "names": [pod.name for pod in pods]}
 
 
 def test_a_two_pod_jobset_trains_to_the_end(fault_free):
@@ -460,7 +454,9 @@ def test_a_two_pod_jobset_trains_to_the_end(fault_free):
         assert report["torchrun"]["rdzv_endpoint"] == "fsdp-train-workers-0-0.fsdp-train:29400"
         assert settings["nproc_per_node"] == ("1", "flag")
         assert settings["grace_period"] == (FTLAUNCH_GRACE, "flag")
-        assert settings["log_dir"][0].endswith(f"/fsdp-train-workers-0-{index}.0/fsdp-train")
+        # On the shared volume, a directory of its own, by its pod's name.
+        assert settings["log_dir"][0] == \
+            f"{fault_free['fsx']}/ftlaunch-logs/fsdp-train/{fault_free['names'][index]}"
     for index, facts in enumerate(fault_free["facts"]):
         assert facts["hostname"] == f"fsdp-train-workers-0-{index}"
         assert b"ftlaunch" in facts["pid1_cmdline"][0], facts  # .venv/bin/ftlaunch
@@ -529,7 +525,8 @@ def test_an_evicted_pod_is_recreated_joins_and_the_weights_equal_a_fault_free_ru
         assert new.exit_code() == 0, new.output
         assert run.gone(stays, 0) == run.gone(new, 0) == "Succeeded"
     result = _result(fsx)
-    assert result["final_step"] == STEPS and result["restart_count"] >= 1, result
+    assert result["final_step"] == STEPS and result["resumed_from"] == \
+        int(preempted.group(1)), result
     assert result["weights_sha256"] == fault_free["result"]["weights_sha256"], \
         (result, fault_free["result"])
 
