@@ -10,6 +10,7 @@ this node's part in them; the agent carries them out through its edges (``node_i
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -22,7 +23,7 @@ from typing import Any
 from ftlaunch_contract import environment, messages
 from ftlaunch_contract.messages import Held, Peer
 from ftlaunch_contract.protocol import Envelope
-from launcher import UsageError, exit_codes, failures, node_policy, replica_service
+from launcher import UsageError, events, exit_codes, failures, goodput, node_policy, replica_service
 from launcher.config import LaunchConfig
 from launcher.events import PhaseClock
 from launcher.gpu_health import Finding
@@ -113,6 +114,17 @@ class Agent:
                 if store is not None:
                     store.close()
             self.io.close()
+            if self.exit_code is not None:
+                self._report_goodput()
+
+    def _report_goodput(self) -> None:
+        """What this node's time went to (``goodput.json`` beside its events; a table)."""
+        path = self.plan.log_dir / "events.jsonl"
+        if not path.exists():
+            return
+        acc = goodput.account(events.load(path))
+        (self.plan.log_dir / "goodput.json").write_text(json.dumps(acc.as_dict(), indent=2))
+        print(f"ftlaunch: {goodput.table(acc)}", file=sys.stderr, flush=True)
 
     def on_event(self, event: Event) -> None:
         match event:
@@ -347,7 +359,8 @@ class Agent:
         (``now``: at once, before a failure or the end): the timeline goodput is read from."""
         step = self.hub.best_step
         if step > self.progress_step and (now or clock >= self.progress_at):
-            self.events.emit("progress", f"step {step}", console=False, step=step)
+            self.events.emit("progress", f"step {step}", console=False, step=step,
+                             at=round(self.hub.best_step_at, 3))
             self.progress_step, self.progress_at = step, clock + PROGRESS_EVERY
 
     def _report_failure(self, failure: failures.RankFailure) -> None:
@@ -556,7 +569,7 @@ class Agent:
                           signals_to_handle=self.config.signals_to_handle)
         now = self.clock()
         self.hub.reset_steps()
-        self.progress_step = -1
+        self.progress_step, self.progress_at = -1, 0.0  # an attempt's first step: at once
         sources: dict[str, list[int]] = {"resumed": [], "forked": [], "fresh": []}
         template = self.template if self.policy != "cold" else None
         for local_rank in range(self.plan.local_world_size):

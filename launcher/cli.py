@@ -203,6 +203,10 @@ def main(argv: list[str] | None = None) -> None:
         from launcher.doctor import main as doctor_main
 
         sys.exit(doctor_main(argv[1:]))
+    if argv and argv[0] == "report":  # a finished run's goodput, from its event logs
+        from launcher.report import main as report_main
+
+        sys.exit(report_main(argv[1:]))
     logging.basicConfig(level=os.environ.get("FTLAUNCH_LOG_LEVEL", "WARNING").upper(),
                         format="ftlaunch: %(name)s: %(message)s")
     if argv in (["--version"], ["-V"]):

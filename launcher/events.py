@@ -27,7 +27,7 @@ EVENTS: dict[str, frozenset[str]] = {kind: frozenset(fields.split()) for kind, f
     "rank_template_unsafe": "why",
     "rank_template_died": "returncode",
     "started": "world_size run_id",
-    "progress": "step",
+    "progress": "step at",
     "rank_failed": "rank local_rank exit_code signal",
     "rank_hung": "rank reason stacks",
     "gpu_health": "gpu finding severity detail action",
@@ -78,6 +78,17 @@ class EventLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def load(path: Path) -> list[dict]:
+    """The events of one log, skipping a torn last line (an agent killed mid-write)."""
+    found = []
+    for line in path.read_text().splitlines():
+        try:
+            found.append(json.loads(line))
+        except ValueError:
+            continue
+    return found
 
 
 class PhaseClock:

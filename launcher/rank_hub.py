@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +66,7 @@ class RankHub:
         self.socket.bind(self.endpoint)
         self.links: dict[int, RankLink] = {}  # by pid
         self.best_step = -1  # the highest step any rank reported since reset_steps()
+        self.best_step_at = 0.0  # when (Unix time) it was first reported
 
     def track(self, pid: int, now: float, stacks: bool = False) -> None:
         """A rank process started (or resumed): watch it from now on. ``stacks``: it
@@ -134,7 +136,7 @@ class RankHub:
                     link.activity.last_tick = min(now, msg.sent)
                 case Beat():
                     link.activity.beat(now, msg.step)
-                    self.best_step = max(self.best_step, msg.step)
+                    self._reached(msg.step)
                 case Section():
                     link.activity.section(now, msg.name, msg.open)
                 case ShardDurable():
@@ -144,7 +146,7 @@ class RankHub:
                 case Parked():
                     link.parked, link.error = True, msg.error
                     link.activity.step = max(link.activity.step, msg.step)
-                    self.best_step = max(self.best_step, msg.step)
+                    self._reached(msg.step)
                     parked.append((msg.sent, msg.pid))
 
     def send(self, pid: int, msg: Body) -> None:
@@ -161,6 +163,10 @@ class RankHub:
         """(pid, reason) of the hung ranks among those using the shim and not parked."""
         return hung_ranks({pid: link.activity for pid, link in self.links.items()
                            if link.identity is not None and not link.parked}, timeouts, now)
+
+    def _reached(self, step: int) -> None:
+        if step > self.best_step:
+            self.best_step, self.best_step_at = step, time.time()
 
     def reset_steps(self) -> None:
         self.best_step = -1

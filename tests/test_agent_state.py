@@ -117,7 +117,7 @@ class FakeHub:
         self.news = HubNews([], [])
         self.hung_next: list[tuple[int, str]] = []
         self.aborted: set[int] = set()
-        self.best_step = -1
+        self.best_step, self.best_step_at = -1, 0.0
         self.restartable_from_start = False
 
     def track(self, pid: int, now: float, stacks: bool = False) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 from conftest import ROOT, SCRIPTS
@@ -70,9 +73,10 @@ def test_an_event_outside_the_schema_is_refused_in_strict_mode(tmp_path, monkeyp
                                 "event": "progress", "step": 3}
 
 
-def test_a_real_runs_events_follow_the_schema(tmp_path, launch):
+def test_a_real_runs_events_follow_the_schema_and_account_for_its_time(tmp_path, launch):
     """A run with a killed rank: every line versioned and within the schema, and the step
-    timeline the goodput account reads is there (progress up to the fault and after)."""
+    timeline the goodput account reads is there (progress up to the fault and after); the
+    account the agent wrote (goodput.json) and ``ftlaunch report`` add up to the wall."""
     run = launch("--standalone", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
                  str(SCRIPTS / "train_gpt.py"), "--steps", "30", "--step-time", "0.02",
                  "--shim", "--async-ckpt", "--ckpt-every", "10",
@@ -96,3 +100,23 @@ def test_a_real_runs_events_follow_the_schema(tmp_path, launch):
     assert before and before[-1] > 10, before
     assert after and after[-1] > 20, after  # well past the resume point (the last beat of
     # step 30 may be throttled away too)
+    account = json.loads((path.parent / "goodput.json").read_text())
+    assert account["restarts"] == 1 and account["known"] and account["steps"] >= 25, account
+    total = account["productive_s"] + sum(account["lost_s"].values())
+    assert abs(total - account["wall_s"]) <= 0.01 * account["wall_s"], account
+    assert 0 < account["goodput"] < 1 and account["lost_s"]["recovery"] > 0, account
+    assert "goodput: " in run.output  # the table at the end, on stderr
+    report = subprocess.run([sys.executable, "-m", "launcher", "report", "--json",
+                             str(tmp_path / "logs")], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert report.returncode == 0, report.stderr
+    assert json.loads(report.stdout) == {str(path.parent): account}
+
+
+def test_report_without_a_log_is_a_clear_error(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "launcher", "report", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip() == f"ftlaunch report: error: no events.jsonl under {tmp_path}: " \
+        "give the --log-dir of a run"

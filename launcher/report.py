@@ -1,0 +1,42 @@
+"""``ftlaunch report LOGDIR``: the goodput account of a run, from the event logs it left.
+
+Every ``events.jsonl`` under LOGDIR (one per node and run id) is accounted on its own
+(``launcher.goodput``); ``--json`` prints the accounts as one JSON object by log path.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from launcher import events, exit_codes, goodput
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("log_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the accounts as JSON.")
+def report(log_dir: Path, as_json: bool) -> None:
+    """Goodput and lost time by cause of the run(s) logged under LOG_DIR (ftlaunch's
+    --log-dir, or one run's directory in it)."""
+    logs = sorted(log_dir.rglob("events.jsonl")) if log_dir.is_dir() else []
+    if not logs:
+        raise click.ClickException(f"no events.jsonl under {log_dir}: give the --log-dir of "
+                                   "a run")  # exit 1: nothing to report, not a usage error
+    accounts = {str(path.parent): goodput.account(events.load(path)) for path in logs}
+    if as_json:
+        print(json.dumps({k: a.as_dict() for k, a in accounts.items()}, indent=2))
+        return
+    for where, acc in accounts.items():
+        print(f"{where}\n{goodput.table(acc)}")
+
+
+def main(argv: list[str]) -> int:
+    try:
+        report.main(argv, prog_name="ftlaunch report", standalone_mode=False)
+    except click.ClickException as e:  # usage errors exit 2, a missing log 1
+        print(f"ftlaunch report: error: {e.format_message()}", file=sys.stderr)
+        return e.exit_code
+    return exit_codes.OK
