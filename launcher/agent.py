@@ -167,6 +167,7 @@ class Agent:
         self.io, self.control, self.hub, self.workers = io, io.control, io.hub, io.workers
         self.events, self.health, self.template = io.events, io.health, io.template
         self.replicas = io.replicas
+        self.metrics = getattr(io, "metrics", None)  # --metrics-port
 
     def begin(self) -> None:
         self.started_at = self.last_loop = self.clock()
@@ -212,6 +213,8 @@ class Agent:
             log.warning("ignored an assignment in phase %s", self.phase)
             return
         self.assignment, self.replicate_to = msg, msg.replicate_to
+        if self.metrics is not None:
+            self.metrics.set_nodes(msg.group_world_size)
         if msg.fetch:  # shards our ranks restore from, held in peers' memory: pull them now
             self.fetching = True
             self.replicas.fetch([(Held(f.world_size, f.rank, f.step),
@@ -513,6 +516,10 @@ class Agent:
         elif self.phase == Phase.RUNNING and now >= self.hang_check_at:
             self.hang_check_at = now + HANG_CHECK_INTERVAL
             self._check_hangs(now)
+            if self.metrics is not None:
+                self.metrics.set_heartbeat_ages(
+                    {r.rank: age for r in self.workers.alive()
+                     if (age := self.hub.beat_age(r.proc.pid, now)) is not None})
         elif self.phase == Phase.STOPPING and expired:
             self.deadline = None
             self.workers.send_signal(signal.SIGKILL, self._being_stopped())

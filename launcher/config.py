@@ -146,6 +146,8 @@ class LaunchConfig:
                                    group=GENERAL)
     config: str | None = _opt(None, "YAML file with any of these options (CLI and env win).",
                               group=GENERAL)
+    metrics_port: int = _opt(0, "Serve this node's Prometheus metrics on this port (0: off; "
+                             "needs the extra ftlaunch[metrics]).", group=GENERAL)
     dry_run: bool = _opt(False, "Print the resolved launch as one JSON object (every setting "
                          "and where it came from: flag, env, file, SLURM, Kubernetes, "
                          "default) and exit 0, starting nothing.", group=GENERAL)

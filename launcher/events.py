@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -55,9 +56,11 @@ EVENTS: dict[str, frozenset[str]] = {kind: frozenset(fields.split()) for kind, f
 
 
 class EventLog:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, sink: Callable[[dict], None] | None = None):
+        """``sink``: also gets every record (the node's metrics)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self._sink = sink
         self._file = path.open("a", buffering=1)
         self._strict = bool(os.environ.get("FTLAUNCH_STRICT"))  # the test suite sets it
 
@@ -69,8 +72,10 @@ class EventLog:
             if self._strict:
                 raise ValueError(f"event {kind}: {sorted(unknown)} not in the schema")
             log.error("event %s: %s not in the schema", kind, sorted(unknown))
-        self._file.write(json.dumps({"v": SCHEMA_VERSION, "ts": time.time(), "event": kind,
-                                     **fields}) + "\n")
+        record = {"v": SCHEMA_VERSION, "ts": time.time(), "event": kind, **fields}
+        self._file.write(json.dumps(record) + "\n")
+        if self._sink is not None:
+            self._sink(record)
         if not console:
             return
         style = "bold red" if kind in ("rank_failed", "job_failed") else "bold"

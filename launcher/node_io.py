@@ -15,12 +15,13 @@ import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
 from ftlaunch_contract import environment, staging
 from ftlaunch_contract.protocol import Envelope
-from launcher import replica_service, stacks
+from launcher import UsageError, replica_service, stacks
 from launcher.events import EventLog
 from launcher.gpu_health import Finding
 from launcher.health_monitor import HealthMonitor
@@ -31,6 +32,9 @@ from launcher.rank_hub import RankHub
 from launcher.rank_template import RankTemplate, TemplateNews
 from launcher.store import AgentStore
 from launcher.workers import RankExit, WorkerGroup, rank_preexec_fn
+
+if TYPE_CHECKING:
+    from launcher.metrics import Metrics
 
 
 @dataclass(frozen=True)
@@ -57,10 +61,27 @@ Event = (Envelope | RankExit | RanksSpoke | SignalArrived | GpuFound | TemplateN
          | ReplicaNews)
 
 
+def _start_metrics(port: int) -> Metrics | None:
+    """``--metrics-port``: this node's Prometheus endpoint, or None."""
+    if not port:
+        return None
+    try:
+        from launcher.metrics import Metrics
+
+        return Metrics(port)
+    except ImportError:
+        raise UsageError("--metrics-port needs prometheus-client: pip install "
+                         "'ftlaunch[metrics]'") from None
+    except OSError as e:
+        raise UsageError(f"--metrics-port {port}: {e.strerror}; pick a free port") from None
+
+
 class NodeIO:
     def __init__(self, plan: NodePlan, attempt_env: Callable[[], dict[str, str]]):
         config = plan.config
-        self.events = EventLog(plan.log_dir / "events.jsonl")
+        self.metrics = _start_metrics(config.metrics_port)
+        self.events = EventLog(plan.log_dir / "events.jsonl",
+                               self.metrics.on_event if self.metrics else None)
         self.guard = OrphanGuard()
         self.context = zmq.Context()
         self.control = plan.control_plane(self.context)
@@ -164,4 +185,6 @@ class NodeIO:
         self.context.term()
         self.guard.close()
         self.events.close()
+        if self.metrics is not None:
+            self.metrics.close()
 

@@ -164,6 +164,12 @@ class RankHub:
         return hung_ranks({pid: link.activity for pid, link in self.links.items()
                            if link.identity is not None and not link.parked}, timeouts, now)
 
+    def beat_age(self, pid: int, now: float) -> float | None:
+        """Seconds since the rank's last heartbeat (None: it never sent one)."""
+        link = self.links.get(pid)
+        last = link.activity.last_beat if link is not None else None
+        return None if last is None else now - last
+
     def _reached(self, step: int) -> None:
         if step > self.best_step:
             self.best_step, self.best_step_at = step, time.time()

@@ -73,6 +73,7 @@ VALID = {
     "node_timeout": 3.0,
     "heartbeat_interval": 0.25,
     "secret_file": "/tmp/ftlaunch-secret",
+    "metrics_port": 9400,
     "config": None,  # filled per test with a real file
     "dry_run": True,
 }
