@@ -43,12 +43,39 @@ class Fetch(NamedTuple):
     port: int
 
 
+class RankState(NamedTuple):
+    """What one rank of a node is doing, as its agent knows it (for ``ftlaunch status``)."""
+
+    rank: int
+    step: int  # the highest it reported; -1: none
+    beat_age_ms: int  # since its last heartbeat; -1: none yet
+
+
+class NodeState(NamedTuple):
+    node_id: str
+    group_rank: int  # -1: not in the current round (joining, a spare)
+    phase: str  # the agent's (launcher/node_policy.py Phase)
+    seen_ms_ago: int  # since the coordinator last heard from it
+
+
+class NodeRankState(NamedTuple):
+    node_id: str
+    rank: int
+    step: int
+    beat_age_ms: int
+
+
 Successors = tuple[Successor, ...]
 Peers = tuple[Peer, ...]
 HeldShards = tuple[Held, ...]
 Fetches = tuple[Fetch, ...]
+RankStates = tuple[RankState, ...]
+NodeStates = tuple[NodeState, ...]
+NodeRankStates = tuple[NodeRankState, ...]
 ROWS: dict[Any, type[tuple[Any, ...]]] = {Successors: Successor, Peers: Peer,
-                                          HeldShards: Held, Fetches: Fetch}
+                                          HeldShards: Held, Fetches: Fetch,
+                                          RankStates: RankState, NodeStates: NodeState,
+                                          NodeRankStates: NodeRankState}
 """Fields that are lists of records: on the wire, lists of lists."""
 Env = dict[str, str]
 
@@ -83,6 +110,15 @@ class Join(Body):
 class Heartbeat(Body):
     TYPE = "heartbeat"
     node_id: str
+    phase: str  # what the node is doing, and its ranks: the coordinator's picture of the job
+    ranks: RankStates
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatusQuery(Body):
+    """``ftlaunch status`` (any process holding the job secret) asks the coordinator."""
+
+    TYPE = "status_query"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,6 +229,26 @@ class Stop(Body):
     TYPE = "stop"
     exit_code: int
     reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobStatus(Body):
+    """The coordinator's picture of the job, in answer to a ``status_query``."""
+
+    TYPE = "job_status"
+    run_id: str
+    coordinator_node: str
+    round_phase: str
+    job_epoch: int
+    restart_count: int
+    max_restarts: int
+    min_nodes: int
+    max_nodes: int
+    committed_step: int  # -1: none yet
+    last_cause: str  # of the latest recovery; "" before any
+    final: str  # "" while the job runs
+    nodes: NodeStates
+    ranks: NodeRankStates
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -326,7 +382,8 @@ class Resume(Body):
 
 CONTROL: dict[str, type[Body]] = {m.TYPE: m for m in (
     Join, Heartbeat, StoreReady, Failure, Finished, Durable, Replicated, Leave, Unhealthy,
-    HeartbeatAck, Assign, Start, Recover, Stop, Redirect, Committed, InMemory)}
+    HeartbeatAck, Assign, Start, Recover, Stop, Redirect, Committed, InMemory, StatusQuery,
+    JobStatus)}
 LOCAL: dict[str, type[Body]] = {m.TYPE: m for m in (
     Hello, Restartable, Beat, Tick, Learned, Section, Parked, ShardDurable, ShardStaged,
     Abort, Resume, Committed)}

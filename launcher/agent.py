@@ -537,7 +537,8 @@ class Agent:
         if now - self.last_loop > self.config.node_timeout / 2:
             self.control.woke(now)  # we were frozen: the silence was ours
         self.last_loop = now
-        self.control.heartbeat_if_due(now, self.epoch)
+        if now >= self.control.next_heartbeat:
+            self.control.heartbeat_if_due(now, self.epoch, str(self.phase), self._rank_states(now))
         if self.phase in (Phase.STOPPING, Phase.LEAVING, Phase.DONE):
             return
         if self.control.coordinator_lost(now):
@@ -671,6 +672,15 @@ class Agent:
         self._enter(Phase.DONE)
 
     # --- what the agent knows ------------------------------------------------------------
+
+    def _rank_states(self, now: float) -> messages.RankStates:
+        """Each live rank's step and heartbeat age, for the coordinator's picture."""
+        states = []
+        for r in self.workers.alive():
+            age = self.hub.beat_age(r.proc.pid, now)
+            step = self.hub.step(r.proc.pid)
+            states.append(messages.RankState(r.rank, step, -1 if age is None else int(1000 * age)))
+        return tuple(states)
 
     def _survivors(self) -> list[node_policy.Survivor]:
         return [node_policy.Survivor(r.proc.pid, r.rank, self.hub.restartable(r.proc.pid),

@@ -203,6 +203,10 @@ def main(argv: list[str] | None = None) -> None:
         from launcher.doctor import main as doctor_main
 
         sys.exit(doctor_main(argv[1:]))
+    if argv and argv[0] == "status":  # a running job's picture, from its coordinator
+        from launcher.status import main as status_main
+
+        sys.exit(status_main(argv[1:]))
     if argv and argv[0] == "report":  # a finished run's goodput, from its event logs
         from launcher.report import main as report_main
 

@@ -20,6 +20,7 @@ from ftlaunch_contract.messages import (
     Body,
     Heartbeat,
     HeartbeatAck,
+    RankStates,
     Redirect,
     Successors,
 )
@@ -99,6 +100,11 @@ class ControlPlane:
         self.next_heartbeat = time.monotonic() + heartbeat_interval
 
     @property
+    def endpoint(self) -> str:
+        """Where the coordinator we follow is (tcp://host:port)."""
+        return self._endpoint
+
+    @property
     def hosting(self) -> bool:
         return self.coordinator is not None
 
@@ -152,11 +158,13 @@ class ControlPlane:
         self._endpoint = f"tcp://{addr}:{port}"
         self.socket.connect(self._endpoint)
 
-    def heartbeat_if_due(self, now: float, epoch: int) -> None:
+    def heartbeat_if_due(self, now: float, epoch: int, phase: str = "",
+                         ranks: RankStates = ()) -> None:
         """At our epoch: a coordinator that started afresh (its node re-created) learns the
-        job's from it, and its answers are then not stale to us."""
+        job's from it, and its answers are then not stale to us. ``phase`` and ``ranks``:
+        what this node is doing, for ``ftlaunch status``."""
         if now >= self.next_heartbeat:
-            self.send(Heartbeat(node_id=self.node_id), epoch)
+            self.send(Heartbeat(node_id=self.node_id, phase=phase, ranks=ranks), epoch)
             self.next_heartbeat = now + self._interval
 
     def woke(self, now: float) -> None:

@@ -29,14 +29,19 @@ from ftlaunch_contract.messages import (
     HeartbeatAck,
     HeldShards,
     InMemory,
+    JobStatus,
     Join,
     Leave,
+    NodeRankState,
+    NodeState,
     Peer,
     Peers,
+    RankStates,
     Recover,
     Redirect,
     Replicated,
     Start,
+    StatusQuery,
     Stop,
     StoreReady,
     Successor,
@@ -106,6 +111,9 @@ class JobState:
     replicas: int = 0  # peers keeping a copy of each node's staged checkpoints
     replica_ports: dict[str, int] = field(default_factory=dict)
     held: dict[str, HeldShards] = field(default_factory=dict)  # shards in memory, as joined
+    run_id: str = ""
+    last_cause: str = ""  # of the latest recovery
+    node_status: dict[str, tuple[str, RankStates]] = field(default_factory=dict)  # heartbeats
 
 
 def bind_router(context: zmq.Context, addr: str, port: int) -> tuple[zmq.Socket, int]:
@@ -228,6 +236,9 @@ class Coordinator:
     def _handle(self, identity: bytes, received: Envelope, now: float) -> None:
         s, msg = self._state, received.body
         node: str = getattr(msg, "node_id", "")
+        if isinstance(msg, StatusQuery):  # ftlaunch status: signed with the secret, as all
+            self._send(identity, self._status(now))
+            return
         if s.final is not None:  # the job is over: tell whoever still talks to us
             self._send(identity, Stop(exit_code=s.final[0], reason=s.final[1]))
             return
@@ -254,6 +265,7 @@ class Coordinator:
         if isinstance(msg, Heartbeat):
             if node in s.members or node in s.group_ranks:  # after a takeover: not joined yet
                 s.last_seen[node] = now
+                s.node_status[node] = (msg.phase, msg.ranks)
                 s.identities[node] = identity
                 self._send(identity, HeartbeatAck())
             else:  # declared lost but alive (it froze, or the network healed): come back in
@@ -381,7 +393,7 @@ class Coordinator:
 
     def _start_new_round(self, cause: str, restart_count: int, delay: float, now: float) -> None:
         s = self._state
-        s.restart_count = restart_count
+        s.restart_count, s.last_cause = restart_count, cause
         self._forget_leaving()
         s.expected = set(s.group_ranks)
         s.expected_count = max(s.expected_count, len(s.expected))
@@ -460,6 +472,26 @@ class Coordinator:
                         "node and the peer keeping its copies lost together?): the ranks "
                         "restore from storage", len(held))
         return out
+
+    def _status(self, now: float) -> JobStatus:
+        """The job as this coordinator sees it: every member's and each rank's last word."""
+        s = self._state
+        nodes = sorted(set(s.members) | set(s.group_ranks),
+                       key=lambda n: (s.group_ranks.get(n, 1 << 30), n))
+        ages = {n: int(1000 * (now - s.last_seen[n])) if n in s.last_seen else -1
+                for n in nodes}
+        ages[s.host_node] = 0  # its own agent: alive by definition
+        return JobStatus(
+            run_id=s.run_id, coordinator_node=s.host_node, round_phase=str(s.phase),
+            job_epoch=s.epoch, restart_count=s.restart_count, max_restarts=s.max_restarts,
+            min_nodes=s.min_nodes, max_nodes=s.max_nodes,
+            committed_step=s.commits.committed,
+            last_cause=s.last_cause, final="" if s.final is None else s.final[1],
+            nodes=tuple(NodeState(n, s.group_ranks.get(n, -1),
+                                  s.node_status.get(n, ("unknown", ()))[0], ages[n])
+                        for n in nodes),
+            ranks=tuple(NodeRankState(n, r.rank, r.step, r.beat_age_ms) for n in nodes
+                        for r in s.node_status.get(n, ("", ()))[1]))
 
     def _broadcast_round(self, msg: Body) -> None:
         """To the nodes of the current round we can reach (a successor knows none at first)."""

@@ -30,6 +30,7 @@ from launcher.orphan_guard import OrphanGuard
 from launcher.rank_env import pre_import_env
 from launcher.rank_hub import RankHub
 from launcher.rank_template import RankTemplate, TemplateNews
+from launcher.status import RuntimeRecord
 from launcher.store import AgentStore
 from launcher.workers import RankExit, WorkerGroup, rank_preexec_fn
 
@@ -85,6 +86,7 @@ class NodeIO:
         self.guard = OrphanGuard()
         self.context = zmq.Context()
         self.control = plan.control_plane(self.context)
+        self.runtime = RuntimeRecord(plan.run_id, plan.node_id, plan.secret)  # ftlaunch status
         self._attempt_env = attempt_env  # the agent's variables of the attempt starting
         self._signal_fd, self._signal_write_fd = os.pipe()
         os.set_blocking(self._signal_fd, False)
@@ -115,6 +117,7 @@ class NodeIO:
 
     def poll(self, timeout_ms: int) -> Iterator[Event]:
         """Wait up to ``timeout_ms`` for anything; yield what happened, in order."""
+        self.runtime.publish(self.control.endpoint)  # the coordinator may have moved
         for fd, _ in self._poller.poll(timeout_ms):
             if fd is self.control.socket:
                 msg = self.control.receive()
@@ -169,6 +172,7 @@ class NodeIO:
 
     def close(self) -> None:
         """Once the ranks are gone: persist staged checkpoints, release everything."""
+        self.runtime.remove()
         self.replicas.close()
         self._persist_staged()
         if self.health is not None:

@@ -75,7 +75,7 @@ class NodePlan:
                         node_timeout=c.node_timeout, last_call=self.last_call_timeout,
                         join_timeout=self.join_timeout, host_node=self.node_id,
                         max_stalled=c.max_stalled_recoveries, healthy_after=c.healthy_interval,
-                        replicas=c.ckpt_replicas)
+                        replicas=c.ckpt_replicas, run_id=self.run_id)
 
     def control_plane(self, context: zmq.Context) -> ControlPlane:
         return ControlPlane(context, self.secret, self.node_id, self.addr, self.endpoint,

@@ -170,6 +170,11 @@ class RankHub:
         last = link.activity.last_beat if link is not None else None
         return None if last is None else now - last
 
+    def step(self, pid: int) -> int:
+        """The highest step the rank reported (-1: none)."""
+        link = self.links.get(pid)
+        return link.activity.step if link is not None else -1
+
     def _reached(self, step: int) -> None:
         if step > self.best_step:
             self.best_step, self.best_step_at = step, time.time()

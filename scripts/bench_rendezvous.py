@@ -121,7 +121,7 @@ class Swarm:
                 raise TimeoutError(f"gave up after {limit:g}s")
             if self.beat_every and now >= self.next_beat:
                 for i in set(range(self.n)) - self.silent:
-                    self.send(i, "heartbeat", node_id=node_id(i))
+                    self.send(i, "heartbeat", node_id=node_id(i), phase="running", ranks=())
                     self.last_beat[i] = now
                 self.next_beat = now + self.beat_every
             for sock, _ in self.poller.poll(10):

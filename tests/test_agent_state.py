@@ -162,6 +162,12 @@ class FakeHub:
     def reset_steps(self) -> None:
         self.best_step = -1
 
+    def beat_age(self, pid: int, now: float) -> float | None:
+        return 0.1 if pid in self.links else None
+
+    def step(self, pid: int) -> int:
+        return -1
+
 
 class FakeControl:
     def __init__(self, machine: AgentMachine) -> None:
@@ -177,7 +183,7 @@ class FakeControl:
         self.machine.on_sent(msg.TYPE)
         self.sent.append(msg)
 
-    def heartbeat_if_due(self, now: float, epoch: int) -> None:
+    def heartbeat_if_due(self, now: float, epoch: int, phase: str = "", ranks=()) -> None:
         pass
 
     def woke(self, now: float) -> None:

@@ -57,7 +57,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
     @rule(node=st.sampled_from(NODES))
     def heartbeat(self, node):
-        self._deliver(node, "heartbeat", epoch=0, node_id=node)
+        self._deliver(node, "heartbeat", epoch=0, node_id=node, phase="running", ranks=())
 
     @precondition(lambda self: self.state.phase == "waiting_store")
     @rule()
@@ -265,7 +265,8 @@ def test_a_fresh_coordinator_continues_the_epochs_of_the_job_it_finds():
     the job's epoch; the fresh coordinator's answer must not look stale to them."""
     coordinator, socket = _fresh()
     _join(coordinator, "p0", 0, 1.0)
-    coordinator._handle(b"p1", Envelope(7, CONTROL["heartbeat"](node_id="p1")), 1.1)
+    coordinator._handle(b"p1", Envelope(7, CONTROL["heartbeat"](node_id="p1", phase="finished",
+                                                                 ranks=())), 1.1)
     (to, reply), = [(to, m) for to, m in socket.sent if to == b"p1"]
     assert reply.body.TYPE == "recover" and reply.epoch == 7  # p1 drops epochs below its 7
     _join(coordinator, "p1", 7, 1.2)

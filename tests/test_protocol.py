@@ -19,7 +19,10 @@ from ftlaunch_contract.messages import (
     Fetch,
     Finished,
     Held,
+    NodeRankState,
+    NodeState,
     Peer,
+    RankState,
     Stop,
     Successor,
 )
@@ -40,7 +43,10 @@ SAMPLE = {int: 7, str: "node-a", (int, float): 1.5, (int, type(None)): None,
           ROW_CHECKS[Successor]: [["node-a", "10.0.0.1", 4000], ["node-b", "10.0.0.2", 4001]],
           ROW_CHECKS[Peer]: [["node-b", "10.0.0.2", 4100]],
           ROW_CHECKS[Held]: [[6, 0, 40], [6, 1, 40]],
-          ROW_CHECKS[Fetch]: [[6, 4, 40, "node-a", "10.0.0.1", 4100]]}
+          ROW_CHECKS[Fetch]: [[6, 4, 40, "node-a", "10.0.0.1", 4100]],
+          ROW_CHECKS[RankState]: [[0, 12, 40], [1, -1, -1]],
+          ROW_CHECKS[NodeState]: [["node-a", 0, "running", 120]],
+          ROW_CHECKS[NodeRankState]: [["node-a", 0, 12, 40]]}
 RECORDS = {cls: {name: ROWS[hint] for name, hint in get_type_hints(cls, vars(wire)).items()
                  if hint in ROWS} for cls in CONTROL.values()}
 """Each message's fields that are lists of records -> the record type."""
