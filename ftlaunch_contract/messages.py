@@ -351,6 +351,7 @@ class ShardDurable(Body):
     pid: int
     rank: int
     step: int
+    seconds: float  # since its save began: the time to durable (-1: unknown)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -361,6 +362,7 @@ class ShardStaged(Body):
     pid: int
     rank: int
     step: int
+    seconds: float  # since its save began: how long the save blocked training
 
 
 # --- agent -> its ranks ---------------------------------------------------------------------

@@ -213,6 +213,11 @@ class Agent:
             log.warning("ignored an assignment in phase %s", self.phase)
             return
         self.assignment, self.replicate_to = msg, msg.replicate_to
+        self.events.emit("assigned", f"round of epoch {self.epoch}: group rank "
+                         f"{msg.group_rank} of {msg.group_world_size} nodes", console=False,
+                         epoch=self.epoch, group_rank=msg.group_rank,
+                         group_world_size=msg.group_world_size, world_size=msg.world_size,
+                         restart_count=msg.restart_count)
         if self.metrics is not None:
             self.metrics.set_nodes(msg.group_world_size)
         if msg.fetch:  # shards our ranks restore from, held in peers' memory: pull them now
@@ -334,6 +339,10 @@ class Agent:
         now = self.clock()
         news = self.hub.receive(now)
         self._note_progress(now)
+        for stage, shard_rank, step, seconds in news.save_times:
+            self.events.emit("checkpoint_shard", f"rank {shard_rank}'s step {step} {stage}",
+                             console=False, rank=shard_rank, step=step, stage=stage,
+                             seconds=seconds)
         for shard_rank, step in news.durable:  # the coordinator tells when every rank's is
             self._send(messages.Durable(node_id=self.plan.node_id, rank=shard_rank, step=step))
         if self.assignment is not None and self.replicate_to:

@@ -27,6 +27,7 @@ EVENTS: dict[str, frozenset[str]] = {kind: frozenset(fields.split()) for kind, f
     "rank_template_ready": "seconds",
     "rank_template_unsafe": "why",
     "rank_template_died": "returncode",
+    "assigned": "epoch group_rank group_world_size world_size restart_count",
     "started": "world_size run_id",
     "progress": "step at",
     "rank_failed": "rank local_rank exit_code signal",
@@ -43,6 +44,7 @@ EVENTS: dict[str, frozenset[str]] = {kind: frozenset(fields.split()) for kind, f
     # checkpoints
     "shard_copied": "purpose rank step source nbytes seconds",
     "shard_not_copied": "purpose rank step source reason",
+    "checkpoint_shard": "rank step stage seconds",
     "checkpoint_committed": "step",
     "checkpoint_in_memory": "step",
     "checkpoint_persisted": "shards",

@@ -13,12 +13,13 @@ so the pieces add up to the wall time exactly:
   whole length; for a crash, the steps the throttled reports did not show);
 - recovery: the failure until the next attempt's first step report (the ``recovered``
   event's phases say where it went);
-- shutdown: the last step report until the end (persisting checkpoints, the exit).
+- shutdown: the last step report until the end (persisting checkpoints, the exit);
+- checkpoint stalls: taken out of productive time, how long saves blocked training (per
+  save, its slowest rank here: ``checkpoint_shard`` events of stage ``staged``).
 
 Steps come from ``progress`` events (when each step was first reported), i.e. from
-``trainer_shim.heartbeat``. Without them
-nothing is known of the training itself: the account then says so and has no goodput.
-Checkpoint stalls are inside productive time here (the ranks do not report them).
+``trainer_shim.heartbeat``. Without them nothing is known of the training itself: the
+account then says so and has no goodput.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-CAUSES = ("start-up", "detection", "recovery", "re-computed", "shutdown")
+CAUSES = ("start-up", "detection", "recovery", "re-computed", "checkpoint stalls", "shutdown")
 FAILURES = ("rank_failed", "rank_hung", "recovering", "coordinator_lost")  # an attempt ends
 STARTS = ("started", "recovered")  # an attempt's ranks are up
 
@@ -109,6 +110,14 @@ def account(events: Iterable[Mapping[str, Any]]) -> Account:
             acc.lost["recovery"] += reported[k + 1].samples[0][0] - failed
         else:
             acc.lost["shutdown"] += end - last
+    stalls: dict[int, float] = {}  # a save's stall on this node: its slowest rank's
+    for e in log:
+        if e["event"] == "checkpoint_shard" and e.get("stage") == "staged" \
+                and e.get("seconds", -1) >= 0:
+            stalls[e["step"]] = max(stalls.get(e["step"], 0.0), e["seconds"])
+    stalled = min(sum(stalls.values()), acc.productive)
+    acc.productive -= stalled
+    acc.lost["checkpoint stalls"] = stalled
     return acc
 
 

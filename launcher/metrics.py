@@ -51,6 +51,13 @@ class Metrics:
         self.recovery = Histogram("ftlaunch_recovery_seconds", "Failure to ranks back.",
                                   buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
                                   registry=r)
+        seconds = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+        self.stall = Histogram("ftlaunch_checkpoint_stall_seconds", "How long a rank's save "
+                               "blocked training (until staged in shared memory).",
+                               buckets=seconds, registry=r)
+        self.durable = Histogram("ftlaunch_checkpoint_durable_seconds", "A rank's save until "
+                                 "its shard is durable in storage.", buckets=seconds,
+                                 registry=r)
         self.heartbeat_age = Gauge("ftlaunch_heartbeat_age_seconds", "Seconds since each "
                                    "rank's last trainer_shim heartbeat.", ["rank"], registry=r)
         self.step = Gauge("ftlaunch_step", "Highest step a rank of this node reported.",
@@ -84,6 +91,9 @@ class Metrics:
                                           / (at - self._last_progress[0]))
             self._last_progress = (at, step)
             self.step.set(step)
+        elif kind == "checkpoint_shard" and record.get("seconds", -1) >= 0:
+            (self.stall if record.get("stage") == "staged" else self.durable).observe(
+                record["seconds"])
         elif kind == "checkpoint_committed":
             self.committed.set(record["step"])
 

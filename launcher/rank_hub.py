@@ -54,6 +54,8 @@ class HubNews:
     parked: list[int]  # pids that just left their training function
     durable: list[tuple[int, int]]  # (rank, step): checkpoint shards to relay
     staged: list[tuple[int, int]] = field(default_factory=list)  # (rank, step): to replicate
+    # (kind, rank, step, seconds since the save began): "staged" (the stall), "durable"
+    save_times: list[tuple[str, int, int, float]] = field(default_factory=list)
 
 
 class RankHub:
@@ -141,8 +143,10 @@ class RankHub:
                     link.activity.section(now, msg.name, msg.open)
                 case ShardDurable():
                     news.durable.append((msg.rank, msg.step))
+                    news.save_times.append(("durable", msg.rank, msg.step, msg.seconds))
                 case ShardStaged():
                     news.staged.append((msg.rank, msg.step))
+                    news.save_times.append(("staged", msg.rank, msg.step, msg.seconds))
                 case Parked():
                     link.parked, link.error = True, msg.error
                     link.activity.step = max(link.activity.step, msg.step)

@@ -94,3 +94,15 @@ def test_the_pieces_add_up_to_the_wall_time(items):
     if acc.known and acc.wall > 0:
         assert acc.productive + sum(acc.lost.values()) == pytest.approx(acc.wall, abs=1e-6)
         assert 0 <= acc.goodput <= 1 + 1e-9
+
+
+def test_checkpoint_stalls_come_out_of_productive_time():
+    saves = [(5.0, "checkpoint_shard", {"rank": r, "step": 10, "stage": "staged",
+                                        "seconds": s}) for r, s in ((0, 0.2), (1, 0.3))]
+    saves.append((6.0, "checkpoint_shard", {"rank": 0, "step": 10, "stage": "durable",
+                                            "seconds": 1.5}))
+    acc = account(_log((0, "started", {}), _p(1, 1), *saves, _p(11, 101),
+                       (12, "job_finished", {})))
+    assert acc.lost["checkpoint stalls"] == pytest.approx(0.3)  # the slower rank's, once
+    assert acc.productive == pytest.approx(10 - 0.3)
+    assert acc.productive + sum(acc.lost.values()) == pytest.approx(acc.wall)

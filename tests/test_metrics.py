@@ -31,7 +31,8 @@ def test_a_scrape_during_a_job_shows_the_restart_the_recovery_and_each_ranks_hea
     port = _free_port()
     run = launch("--standalone", "--nproc-per-node", "2", "--metrics-port", str(port),
                  str(SCRIPTS / "train_gpt.py"), "--steps", "400", "--step-time", "0.02",
-                 "--shim", "--log-every", "10",
+                 "--shim", "--log-every", "10", "--async-ckpt", "--ckpt-every", "10",
+                 "--ckpt-dir", str(tmp_path / "ckpt"),
                  env={"TRAIN_FAULT_RANK": "1", "TRAIN_FAULT_STEP": "5",
                       "TRAIN_FAULT_KIND": "kill"})
     run.wait_for(r"ranks back")  # the recovery is over
@@ -48,6 +49,9 @@ def test_a_scrape_during_a_job_shows_the_restart_the_recovery_and_each_ranks_hea
     assert m["ftlaunch_step"] > 10 and m["ftlaunch_nodes"] == 1
     assert 0 < m["ftlaunch_goodput_ratio"] <= 1, m
     assert m['ftlaunch_lost_seconds{cause="recovery"}'] > 0, m
+    assert m["ftlaunch_checkpoint_stall_seconds_count"] >= 2, m  # both ranks saved step 10
+    assert m["ftlaunch_checkpoint_durable_seconds_count"] >= 2, m
+    assert m["ftlaunch_checkpoint_committed_step"] >= 10, m
     run.proc.terminate()
     run.finish(60)
 

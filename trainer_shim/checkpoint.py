@@ -17,6 +17,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 import weakref
 import zlib
 from dataclasses import dataclass
@@ -91,6 +92,7 @@ class AsyncCheckpointer:
 
     def save(self, step: int, **state: Any) -> None:
         """Stage a copy of ``state`` (returns then) and persist it in the background."""
+        began = time.monotonic()
         self._raise_writer_error()
         tensors: list[torch.Tensor] = []
         tree = _encode({k: _state_of(v) for k, v in state.items()}, tensors)
@@ -113,9 +115,10 @@ class AsyncCheckpointer:
                 "dest": self.uri, "tree": tree, "tensors": entries,
                 "nbytes": entries[-1]["offset"] + entries[-1]["nbytes"] if entries else 0}
         slot.seal(meta)  # from here on the copy survives this process
-        _tell_agent(ShardStaged, self.rank, step)  # it copies the shard to a peer's memory
+        # The agent copies it to a peer's memory; the seconds are this save's stall.
+        _tell_agent(ShardStaged, self.rank, step, time.monotonic() - began)
         if step % self.persist_every == 0:
-            self._persist_in_background(index, meta)
+            self._persist_in_background(index, meta, began)
         if self._slots[index ^ 1].buffer is None and self._busy[index ^ 1] is None:
             assert slot.buffer is not None  # ensured above
             self._size_in_background(index ^ 1, len(slot.buffer))
@@ -156,10 +159,13 @@ class AsyncCheckpointer:
         for slot in self._slots:
             slot.close()
 
-    def _persist_in_background(self, index: int, meta: dict[str, Any]) -> None:
+    def _persist_in_background(self, index: int, meta: dict[str, Any],
+                               began: float | None = None) -> None:
+        """``began``: when the save started (its time to durable is reported from it)."""
         self._busy[index] = busy = threading.Event()
         previous = self._writer
-        self._writer = threading.Thread(target=self._persist, args=(index, meta, busy, previous),
+        self._writer = threading.Thread(target=self._persist,
+                                        args=(index, meta, busy, previous, began),
                                         name="ftlaunch-ckpt-writer", daemon=True)
         self._writer.start()
 
@@ -182,7 +188,7 @@ class AsyncCheckpointer:
         self._sizer = threading.Thread(target=size, name="ftlaunch-ckpt-size", daemon=True)
         self._sizer.start()
 
-    def _persist(self, index, meta, busy, previous) -> None:
+    def _persist(self, index, meta, busy, previous, began) -> None:
         try:
             if previous is not None:
                 previous.join()  # steps become durable in order
@@ -191,7 +197,8 @@ class AsyncCheckpointer:
                 shards.persist(self.storage, meta, view)
             finally:
                 view.release()
-            _tell_agent(ShardDurable, meta["rank"], meta["step"])
+            _tell_agent(ShardDurable, meta["rank"], meta["step"],
+                        -1.0 if began is None else time.monotonic() - began)
             if self.rank == 0:
                 shards.retire(self.storage, self.world_size, self.keep_last, self.keep_every)
         except BaseException as e:  # surfaced by the next save() or wait()
@@ -601,12 +608,14 @@ def _history() -> str:
     return f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
-def _tell_agent(kind: type[ShardDurable] | type[ShardStaged], rank: int, step: int) -> None:
+def _tell_agent(kind: type[ShardDurable] | type[ShardStaged], rank: int, step: int,
+                seconds: float) -> None:
     """A shard is staged (the agent copies it to peers) or durable (the agent tells the
-    coordinator, which commits the step once every rank's is)."""
+    coordinator, which commits the step once every rank's is); ``seconds`` since the save
+    began (-1: unknown, e.g. a staged shard persisted after a restart)."""
     link = getattr(sys.modules["trainer_shim"], "_link", None)
     if link is not None:
-        link.report(kind(pid=link.pid, rank=rank, step=step))
+        link.report(kind(pid=link.pid, rank=rank, step=step, seconds=round(seconds, 6)))
 
 
 def _stage(slot: Slot, tensors: list[torch.Tensor], sizes: list[int]) -> list[dict[str, Any]]:
