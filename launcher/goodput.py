@@ -151,7 +151,7 @@ def table(acc: Account) -> str:
     lines = [f"goodput: {'unknown' if acc.goodput is None else f'{acc.goodput:.3f}'} "
              f"(productive {acc.productive:.1f}s of {acc.wall:.1f}s wall; "
              f"{acc.restarts} restart(s), {acc.steps} steps)"]
-    lines += [f"  lost to {cause:<12} {seconds:8.2f}s" for cause, seconds in acc.lost.items()
+    lines += [f"  lost to {cause:<17} {seconds:8.2f}s" for cause, seconds in acc.lost.items()
               if seconds > 0]
     if acc.recovery_phases:
         lines.append("  recovery phases: " + ", ".join(
