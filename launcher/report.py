@@ -1,4 +1,4 @@
-"""``ftlaunch report LOGDIR``: the goodput account of a run, from the event logs it left.
+"""``ftlaunch report LOGDIR [--plot PNG]``: the goodput account of a run, from its event logs.
 
 Every ``events.jsonl`` under LOGDIR (one per node and run id) is accounted on its own
 (``launcher.goodput``); ``--json`` prints the accounts as one JSON object by log path.
@@ -12,20 +12,30 @@ from pathlib import Path
 
 import click
 
-from launcher import events, exit_codes, goodput
+from launcher import UsageError, events, exit_codes, goodput
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("log_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the accounts as JSON.")
-def report(log_dir: Path, as_json: bool) -> None:
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also draw the run's timeline into this PNG (needs ftlaunch[plot]).")
+def report(log_dir: Path, as_json: bool, plot: Path | None) -> None:
     """Goodput and lost time by cause of the run(s) logged under LOG_DIR (ftlaunch's
     --log-dir, or one run's directory in it)."""
     logs = sorted(log_dir.rglob("events.jsonl")) if log_dir.is_dir() else []
     if not logs:
         raise click.ClickException(f"no events.jsonl under {log_dir}: give the --log-dir of "
                                    "a run")  # exit 1: nothing to report, not a usage error
-    accounts = {str(path.parent): goodput.account(events.load(path)) for path in logs}
+    loaded = {str(path.parent): events.load(path) for path in logs}
+    accounts = {where: goodput.account(log) for where, log in loaded.items()}
+    if plot is not None:
+        from launcher.timeline import plot as draw
+
+        try:
+            draw(loaded, plot)
+        except UsageError as e:
+            raise click.ClickException(str(e)) from None
     if as_json:
         print(json.dumps({k: a.as_dict() for k, a in accounts.items()}, indent=2))
         return

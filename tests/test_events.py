@@ -111,6 +111,13 @@ def test_a_real_runs_events_follow_the_schema_and_account_for_its_time(tmp_path,
                             timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert report.returncode == 0, report.stderr
     assert json.loads(report.stdout) == {str(path.parent): account}
+    png = tmp_path / "timeline.png"
+    drawn = subprocess.run([sys.executable, "-m", "launcher", "report", "--plot", str(png),
+                            str(tmp_path / "logs")], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert drawn.returncode == 0, drawn.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "goodput: " in drawn.stdout
 
 
 def test_report_without_a_log_is_a_clear_error(tmp_path):
