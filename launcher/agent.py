@@ -88,6 +88,7 @@ class Agent:
         self.restart_count = 0
         self.committed_step = -1  # the newest checkpoint step every rank made durable
         self.progress_step, self.progress_at = -1, 0.0  # the last "progress" event's step, next
+        self.phase_since = self.live_at = 0.0
         self.draining = ""  # a GPU finding that wants this node out at the next safe point
         self.dead_pids: set[int] = set()  # whose GPU memory must be free before a restart
         self.replicate_to: messages.Peers = ()  # peers keeping copies of our staged shards
@@ -168,6 +169,7 @@ class Agent:
         self.events, self.health, self.template = io.events, io.health, io.template
         self.replicas = io.replicas
         self.metrics = getattr(io, "metrics", None)  # --metrics-port
+        self.live = getattr(io, "live", None)  # the status line, on a terminal
 
     def begin(self) -> None:
         self.started_at = self.last_loop = self.clock()
@@ -176,7 +178,7 @@ class Agent:
     def _enter(self, phase: Phase, deadline: float | None = None) -> None:
         node_policy.check_transition(self.phase, phase, self.strict)
         log.debug("phase %s -> %s", self.phase, phase)
-        self.phase, self.deadline = phase, deadline
+        self.phase, self.deadline, self.phase_since = phase, deadline, self.clock()
 
     # --- the coordinator's word ----------------------------------------------------------
 
@@ -543,6 +545,9 @@ class Agent:
         if self.warm_up_at is not None and now >= self.warm_up_at:
             self.warm_up_at = None
             self._warm_up()
+        if self.live is not None and self.live_at <= now:
+            self.live_at = now + 0.5
+            self.live.show(self._status_line(now))
         if now - self.last_loop > self.config.node_timeout / 2:
             self.control.woke(now)  # we were frozen: the silence was ours
         self.last_loop = now
@@ -681,6 +686,27 @@ class Agent:
         self._enter(Phase.DONE)
 
     # --- what the agent knows ------------------------------------------------------------
+
+    def _status_line(self, now: float) -> str:
+        """This node at a glance, for the live status line."""
+        waited = now - self.phase_since
+        detail = {Phase.JOINING: f" {waited:.0f}s, waiting for the round",
+                  Phase.PREPARING: " pulling checkpoint shards" if self.fetching
+                  else " waiting for GPU memory",
+                  Phase.LEAVING: f" ranks saving; SIGKILL in "
+                  f"{max(0.0, (self.deadline or now) - now):.0f}s",
+                  Phase.STOPPING: " stopping ranks",
+                  Phase.BACKING_OFF: f" back off {max(0.0, (self.deadline or now) - now):.1f}s",
+                  }.get(self.phase, "")
+        ranks = "  ".join(f"r{r.rank} step {r.step if r.step >= 0 else '-'}"
+                          f"{f' ♥{r.beat_age_ms / 1000:.1f}s' if r.beat_age_ms >= 0 else ''}"
+                          for r in self._rank_states(now))
+        recovery = ""
+        if self.recovery is not None:
+            recovery = "  recovering: " + (", ".join(
+                f"{k} {v:.2f}s" for k, v in self.recovery.phases.items()) or "deciding")
+        return (f"ftlaunch ▸ {self.phase}{detail} · epoch {self.epoch} · restarts "
+                f"{self.restart_count}/{self.config.max_restarts}  {ranks}{recovery}")
 
     def _rank_states(self, now: float) -> messages.RankStates:
         """Each live rank's step and heartbeat age, for the coordinator's picture."""

@@ -57,6 +57,12 @@ EVENTS: dict[str, frozenset[str]] = {kind: frozenset(fields.split()) for kind, f
 """Every event kind and the fields it may carry (beyond v, ts and event)."""
 
 
+def use_console(console: Console) -> None:
+    """Print to ``console`` (the live status line's: every line goes above it)."""
+    global _CONSOLE
+    _CONSOLE = console
+
+
 class EventLog:
     def __init__(self, path: Path, sink: Callable[[dict], None] | None = None):
         """``sink``: also gets every record (the node's metrics)."""

@@ -25,6 +25,7 @@ from launcher import UsageError, replica_service, stacks
 from launcher.events import EventLog
 from launcher.gpu_health import Finding
 from launcher.health_monitor import HealthMonitor
+from launcher.live_status import LiveStatus
 from launcher.node_plan import NodePlan
 from launcher.orphan_guard import OrphanGuard
 from launcher.rank_env import pre_import_env
@@ -81,6 +82,7 @@ class NodeIO:
     def __init__(self, plan: NodePlan, attempt_env: Callable[[], dict[str, str]]):
         config = plan.config
         self.metrics = _start_metrics(config.metrics_port)
+        self.live = LiveStatus.start_if_terminal()
         self.events = EventLog(plan.log_dir / "events.jsonl",
                                self.metrics.on_event if self.metrics else None)
         self.guard = OrphanGuard()
@@ -173,6 +175,8 @@ class NodeIO:
     def close(self) -> None:
         """Once the ranks are gone: persist staged checkpoints, release everything."""
         self.runtime.remove()
+        if self.live is not None:
+            self.live.show("ftlaunch ▸ persisting staged checkpoints, shutting down")
         self.replicas.close()
         self._persist_staged()
         if self.health is not None:
@@ -189,6 +193,8 @@ class NodeIO:
         self.context.term()
         self.guard.close()
         self.events.close()
+        if self.live is not None:
+            self.live.stop()
         if self.metrics is not None:
             self.metrics.close()
 

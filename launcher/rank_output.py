@@ -16,6 +16,12 @@ _OUT = Console(highlight=False, soft_wrap=True, emoji=False, markup=False)
 _ERR = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False, markup=False)
 
 
+def use_console(console: Console) -> None:
+    """Print both streams to ``console`` (the live status line's: every line goes above it)."""
+    global _OUT, _ERR
+    _OUT = _ERR = console
+
+
 class Pump:
     """Copies one rank stream from a pipe, line by line, to the console and/or a log file."""
 
