@@ -384,7 +384,8 @@ class Agent:
         self._note_progress(self.clock(), now=True)
         self.events.emit("rank_failed", f"rank {failure.rank} {failure.cause}",
                          rank=failure.rank, local_rank=failure.local_rank,
-                         exit_code=failure.exit_code, signal=failure.signal)
+                         exit_code=failure.exit_code, signal=failure.signal,
+                         cause=failure.cause)
         self._send(messages.Failure(
             node_id=self.plan.node_id, rank=failure.rank, local_rank=failure.local_rank,
             exit_code=failure.exit_code, signal=failure.signal, cause=failure.cause,

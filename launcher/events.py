@@ -30,7 +30,7 @@ EVENTS: dict[str, frozenset[str]] = {kind: frozenset(fields.split()) for kind, f
     "assigned": "epoch group_rank group_world_size world_size restart_count",
     "started": "world_size run_id",
     "progress": "step at",
-    "rank_failed": "rank local_rank exit_code signal",
+    "rank_failed": "rank local_rank exit_code signal cause",
     "rank_hung": "rank reason stacks",
     "gpu_health": "gpu finding severity detail action",
     "gpu_memory_held": "pids",
