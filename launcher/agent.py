@@ -23,7 +23,16 @@ from typing import Any
 from ftlaunch_contract import environment, messages
 from ftlaunch_contract.messages import Held, Peer
 from ftlaunch_contract.protocol import Envelope
-from launcher import UsageError, events, exit_codes, failures, goodput, node_policy, replica_service
+from launcher import (
+    UsageError,
+    events,
+    exit_codes,
+    failures,
+    goodput,
+    live_status,
+    node_policy,
+    replica_service,
+)
 from launcher.config import LaunchConfig
 from launcher.events import PhaseClock
 from launcher.gpu_health import Finding
@@ -548,7 +557,11 @@ class Agent:
             self._warm_up()
         if self.live is not None and self.live_at <= now:
             self.live_at = now + 0.5
-            self.live.show(self._status_line(now))
+            self.live.show(live_status.status_line(
+                str(self.phase), now - self.phase_since,
+                None if self.deadline is None else self.deadline - now, self.fetching,
+                self.epoch, self.restart_count, self.config.max_restarts,
+                self._rank_states(now), self.recovery.phases if self.recovery else None))
         if now - self.last_loop > self.config.node_timeout / 2:
             self.control.woke(now)  # we were frozen: the silence was ours
         self.last_loop = now
@@ -687,27 +700,6 @@ class Agent:
         self._enter(Phase.DONE)
 
     # --- what the agent knows ------------------------------------------------------------
-
-    def _status_line(self, now: float) -> str:
-        """This node at a glance, for the live status line."""
-        waited = now - self.phase_since
-        detail = {Phase.JOINING: f" {waited:.0f}s, waiting for the round",
-                  Phase.PREPARING: " pulling checkpoint shards" if self.fetching
-                  else " waiting for GPU memory",
-                  Phase.LEAVING: f" ranks saving; SIGKILL in "
-                  f"{max(0.0, (self.deadline or now) - now):.0f}s",
-                  Phase.STOPPING: " stopping ranks",
-                  Phase.BACKING_OFF: f" back off {max(0.0, (self.deadline or now) - now):.1f}s",
-                  }.get(self.phase, "")
-        ranks = "  ".join(f"r{r.rank} step {r.step if r.step >= 0 else '-'}"
-                          f"{f' ♥{r.beat_age_ms / 1000:.1f}s' if r.beat_age_ms >= 0 else ''}"
-                          for r in self._rank_states(now))
-        recovery = ""
-        if self.recovery is not None:
-            recovery = "  recovering: " + (", ".join(
-                f"{k} {v:.2f}s" for k, v in self.recovery.phases.items()) or "deciding")
-        return (f"ftlaunch ▸ {self.phase}{detail} · epoch {self.epoch} · restarts "
-                f"{self.restart_count}/{self.config.max_restarts}  {ranks}{recovery}")
 
     def _rank_states(self, now: float) -> messages.RankStates:
         """Each live rank's step and heartbeat age, for the coordinator's picture."""

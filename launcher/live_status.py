@@ -10,10 +10,38 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 
 from rich.console import Console
 from rich.live import Live
 from rich.text import Text
+
+from ftlaunch_contract.messages import RankStates
+
+WAITING = {  # what a phase waits for; {left}: seconds to its deadline, {waited}: in it so far
+    "joining": "{waited:.0f}s, waiting for the round",
+    "leaving": "ranks saving; SIGKILL in {left:.0f}s",
+    "stopping": "stopping ranks",
+    "backing_off": "back off {left:.1f}s",
+}
+
+
+def status_line(phase: str, waited: float, left: float | None, fetching: bool, epoch: int,
+                restarts: int, max_restarts: int, ranks: RankStates,
+                recovery: Mapping[str, float] | None) -> str:
+    """This node at a glance: its phase and what it waits for, epoch, restarts, each rank's
+    step and heartbeat age, a recovery's phases so far."""
+    wait = WAITING.get(phase, "")
+    if phase == "preparing":
+        wait = "pulling checkpoint shards" if fetching else "waiting for GPU memory"
+    detail = " " + wait.format(waited=waited, left=max(0.0, left or 0.0)) if wait else ""
+    beats = "  ".join(f"r{r.rank} step {r.step if r.step >= 0 else '-'}"
+                      + (f" ♥{r.beat_age_ms / 1000:.1f}s" if r.beat_age_ms >= 0 else "")
+                      for r in ranks)
+    recovering = "" if recovery is None else "  recovering: " + (
+        ", ".join(f"{k} {v:.2f}s" for k, v in recovery.items()) or "deciding")
+    return (f"ftlaunch ▸ {phase}{detail} · epoch {epoch} · restarts {restarts}/{max_restarts}"
+            f"  {beats}{recovering}")
 
 
 class LiveStatus:

@@ -58,3 +58,20 @@ def test_not_a_terminal_no_control_code(tmp_path, launch):
     assert run.finish(120) == 0, run.output
     assert "[rank1]: step 20 " in run.output
     assert "\x1b" not in run.output and "ftlaunch ▸" not in run.output
+
+
+def test_the_status_line_says_what_the_node_waits_for():
+    from ftlaunch_contract.messages import RankState
+    from launcher.live_status import status_line
+
+    ranks = (RankState(0, 120, 40), RankState(1, -1, -1))
+    line = status_line("running", 3.0, None, False, 2, 1, 3, ranks, None)
+    assert line == "ftlaunch ▸ running · epoch 2 · restarts 1/3  r0 step 120 ♥0.0s  r1 step -"
+    assert "ranks saving; SIGKILL in 42s" in status_line("leaving", 1, 42.2, False, 2, 1, 3,
+                                                         (), None)
+    assert "pulling checkpoint shards" in status_line("preparing", 1, 5, True, 2, 1, 3, (), None)
+    assert "12s, waiting for the round" in status_line("joining", 12.4, None, False, 0, 0, 3,
+                                                       (), None)
+    assert line.endswith("r1 step -") and status_line(
+        "stopping", 0, 2, False, 3, 2, 3, ranks, {"decide": 0.001, "stop": 0.25}).endswith(
+        "recovering: decide 0.00s, stop 0.25s")
