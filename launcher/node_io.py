@@ -88,7 +88,8 @@ class NodeIO:
         self.guard = OrphanGuard()
         self.context = zmq.Context()
         self.control = plan.control_plane(self.context)
-        self.runtime = RuntimeRecord(plan.run_id, plan.node_id, plan.secret)  # ftlaunch status
+        self.runtime = RuntimeRecord(plan.run_id, plan.node_id, plan.secret,  # ftlaunch status
+                                     plan.log_dir / "events.jsonl")
         self._attempt_env = attempt_env  # the agent's variables of the attempt starting
         self._signal_fd, self._signal_write_fd = os.pipe()
         os.set_blocking(self._signal_fd, False)

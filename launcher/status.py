@@ -20,7 +20,7 @@ import zmq
 
 from ftlaunch_contract.messages import JobStatus, StatusQuery
 from ftlaunch_contract.protocol import Codec, ProtocolError
-from launcher import UsageError, exit_codes
+from launcher import UsageError, events, exit_codes, goodput
 
 
 def runtime_dir() -> Path:
@@ -31,9 +31,9 @@ class RuntimeRecord:
     """This agent's entry in the runtime directory: its run, where its coordinator is now,
     and the key to ask it. Rewritten when the coordinator moves, removed at exit."""
 
-    def __init__(self, run_id: str, node_id: str, secret: bytes):
+    def __init__(self, run_id: str, node_id: str, secret: bytes, events: Path):
         self._fields = {"run_id": run_id, "node_id": node_id, "pid": os.getpid(),
-                        "secret": secret.hex(), "coordinator": ""}
+                        "secret": secret.hex(), "coordinator": "", "events": str(events)}
         self.path = runtime_dir() / f"{run_id}.{os.getpid()}.json"
 
     def publish(self, coordinator: str) -> None:
@@ -139,6 +139,7 @@ def status(endpoint: str | None, secret_file: str | None, rdzv_id: str, run_id: 
         if not host or not port.isdigit():
             raise click.UsageError(f"--endpoint {endpoint}: give HOST:PORT")
         where, key = f"tcp://{host}:{port}", job_secret(secret_file, rdzv_id, False)
+        log = None  # another node's job: its event logs are not here
     else:
         jobs = [j for j in local_jobs() if run_id in (None, j["run_id"])]
         if not jobs:
@@ -149,11 +150,19 @@ def status(endpoint: str | None, secret_file: str | None, rdzv_id: str, run_id: 
             runs = ", ".join(sorted({j["run_id"] for j in jobs}))
             raise click.UsageError(f"this node runs several jobs ({runs}): pick one with --run-id")
         where, key = jobs[0]["coordinator"], bytes.fromhex(jobs[0]["secret"])
+        log = Path(jobs[0].get("events", ""))
     answer = query(where, key, timeout)
     if answer is None:
         raise click.ClickException(f"no ftlaunch coordinator answered at {where} within "
                                    f"{timeout:g}s: is the job running, and is the secret its?")
-    print(json.dumps(as_dict(answer), indent=2) if as_json else table(answer))
+    # This node's goodput so far, from its agent's event log.
+    account = goodput.account(events.load(log)) if log and log.is_file() else None
+    if as_json:
+        print(json.dumps({**as_dict(answer), "goodput_here": account.as_dict() if account
+                          else None}, indent=2))
+    else:
+        print(table(answer) + (f"\nthis node so far: {goodput.table(account)}" if account
+                               else ""))
 
 
 def main(argv: list[str]) -> int:

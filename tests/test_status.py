@@ -57,12 +57,15 @@ def test_status_shows_every_node_and_rank_of_a_running_job(tmp_path, launch, run
     assert sorted(n["group_rank"] for n in seen["nodes"]) == [0, 1]
     assert sorted(r["rank"] for r in seen["ranks"]) == [0, 1]
     assert all(r["step"] >= 50 and 0 <= r["beat_age_ms"] < 10_000 for r in seen["ranks"]), seen
+    here = seen["goodput_here"]  # this node's account so far, from its agent's event log
+    assert here["known"] and 0 < here["goodput"] <= 1 and here["steps"] >= 50, here
     # From "another node": the endpoint and the secret, no runtime records.
     theirs = _status("--endpoint", f"127.0.0.1:{port}",
                      env={**secret, "FTLAUNCH_RUNTIME_DIR": str(tmp_path / "elsewhere")})
     assert theirs.returncode == 0, theirs.stderr
     assert theirs.stdout.startswith("run statusjob: running, coordinator ")
     assert theirs.stdout.count("    rank ") == 2 and "heartbeat" in theirs.stdout
+    assert "this node so far" not in theirs.stdout  # no log of it here
     wrong = _status("--endpoint", f"127.0.0.1:{port}", "--timeout", "1",
                     env={"FTLAUNCH_SECRET": "not-the-jobs"})
     assert wrong.returncode == 1 and "no ftlaunch coordinator answered" in wrong.stderr
