@@ -504,6 +504,8 @@ class Agent:
     def _follow_coordinator(self) -> None:
         """The coordinator's node went silent: stop our ranks and re-join its successor."""
         lost = self.control.coordinator_node
+        why = "its connection closed" if self.control.connection_lost else \
+            f"silent for {self.config.node_timeout:g}s"
         if self.phase == Phase.FINISHED:
             # Every rank here finished, so the job trained to its end (its steps are
             # collectives): the coordinator's node is gone because the job ended while we
@@ -519,8 +521,8 @@ class Agent:
             self._on_stop(exit_codes.JOB_FAILED, f"coordinator node {lost} lost, no successor")
             return
         self.events.emit("coordinator_lost", f"coordinator node {lost} lost: following "
-                         f"{'this node' if successor == self.plan.node_id else successor}",
-                         lost=lost, successor=successor)
+                         f"{'this node' if successor == self.plan.node_id else successor} "
+                         f"({why})", lost=lost, successor=successor)
         self.recovery = self.recovery or PhaseClock()
         self._stop(Phase.JOINING)
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ftlaunch_contract.messages import (
     Assign,
@@ -95,6 +96,10 @@ class ControlPlane:
         self.socket.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
         self._endpoint = f"tcp://{endpoint[0]}:{endpoint[1]}"
         self.socket.connect(self._endpoint)
+        # The coordinator's process dying closes our connection: act on it at once.
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED
+                                                      | zmq.EVENT_CONNECTED)
+        self.connection_lost = False
         self._rendezvous = self._endpoint if endpoint is not None else ""  # where agents meet
         self.last_heard = time.monotonic()
         self.next_heartbeat = time.monotonic() + heartbeat_interval
@@ -156,7 +161,20 @@ class ControlPlane:
     def _reconnect(self, addr: str, port: int) -> None:
         self.socket.disconnect(self._endpoint)
         self._endpoint = f"tcp://{addr}:{port}"
+        self.connection_lost = False
         self.socket.connect(self._endpoint)
+
+    def on_monitor(self) -> None:
+        """Connection events of our socket: the coordinator we follow went away, or is
+        there (again); events of an endpoint we left are not about it."""
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["endpoint"].decode(errors="replace") != self._endpoint:
+                continue
+            self.connection_lost = event["event"] == zmq.EVENT_DISCONNECTED
 
     def heartbeat_if_due(self, now: float, epoch: int, phase: str = "",
                          ranks: RankStates = ()) -> None:
@@ -174,9 +192,10 @@ class ControlPlane:
         self.next_heartbeat = now
 
     def coordinator_lost(self, now: float) -> bool:
-        """Silent past the node timeout, once we know who would take over."""
-        return not self.hosting and bool(self.members) and \
-            now - self.last_heard > self._node_timeout
+        """Its connection closed, or silent past the node timeout, once we know who would
+        take over."""
+        return not self.hosting and bool(self.members) and (
+            self.connection_lost or now - self.last_heard > self._node_timeout)
 
     def fail_over(self, epoch: int, restart_count: int, group_world_size: int) -> str | None:
         """Follow the coordinator to its successor (maybe us); returns the successor or None."""
@@ -208,6 +227,8 @@ class ControlPlane:
         """Hosting, wait (up to the node timeout) until the job no longer needs us: a node
         leaving by a signal tells the others to go on once their ranks have stopped, and
         without that word they would wait the node timeout to find us gone."""
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
         self.socket.close()
         if self.coordinator is not None:
             self.coordinator.wait_handed_over(self._node_timeout)

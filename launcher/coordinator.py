@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ftlaunch_contract.messages import (
     Assign,
@@ -148,6 +149,7 @@ class Coordinator:
         self._handed_over = threading.Event()  # see handed_over()
         self._thread = threading.Thread(target=self._serve, name="ftlaunch-coordinator",
                                         daemon=True)
+        self._fds: dict[bytes, int] = {}  # a peer's connection (its file descriptor)
         self._announcer: zmq.Socket | None = None
         self._announcement = announce[1] if announce else None
         if announce:
@@ -184,11 +186,17 @@ class Coordinator:
     # --- loop ----------------------------------------------------------------------------
 
     def _serve(self) -> None:
+        # A peer's TCP connection closing is a monitor event naming its file descriptor, which
+        # each message carries too: an agent process that died is acted on at once, not after
+        # the node timeout (only a frozen or cut-off machine stays silent until then).
+        monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         next_tick = 0.0
         while not self._stopping.is_set():
             if poller.poll(int(TICK_SECONDS * 1000)):
+                self._closed_connections(monitor)  # first: a fd closed may be reused below
                 self._drain()
                 if self._state.phase == RoundPhase.JOINING and self._state.final is None:
                     self._maybe_complete_round(time.monotonic())  # not a tick later
@@ -200,7 +208,19 @@ class Coordinator:
                     log.exception("coordinator tick failed")
                 self._announce()
             self._check_handed_over()
+        self._socket.disable_monitor()
+        monitor.close(linger=0)
 
+    def _closed_connections(self, monitor: zmq.Socket) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity = next((i for i, fd in self._fds.items() if fd == event["value"]), None)
+            if identity is not None:
+                del self._fds[identity]
+                self._disconnected(identity, time.monotonic())
     def _announce(self) -> None:
         if self._announcer is not None and self._announcement is not None \
                 and self._state.final is None:
@@ -212,13 +232,16 @@ class Coordinator:
         """Handle every message already queued."""
         while True:
             try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                parts = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             try:
-                if len(frames) < 2:
+                if len(parts) < 2:
                     raise ProtocolError("no identity frame")
-                self._handle(frames[0], self._codec.decode(frames[1:]), time.monotonic())
+                identity = parts[0].bytes
+                self._fds[identity] = parts[1].get(zmq.SRCFD)  # its connection
+                self._handle(identity, self._codec.decode([p.bytes for p in parts[1:]]),
+                             time.monotonic())
             except ProtocolError as e:
                 log.warning("dropped control message: %s", e)
             except Exception:  # a bug must not silently stop the job's only decider
@@ -532,6 +555,15 @@ class Coordinator:
             log.info("rendezvous round closed: %s", reason)
             self._complete_round()
         return reason is not None
+
+    def _disconnected(self, identity: bytes, now: float) -> None:
+        """A member's connection closed: its agent died (a process that exits closes its
+        sockets; a frozen or cut-off machine does not, and waits for the node timeout)."""
+        s = self._state
+        node = next((n for n, i in s.identities.items() if i == identity), None)
+        if node is None or node == s.host_node or s.final is not None or node in s.leaving:
+            return  # not a member (a status query, a spare's old link), or on its way out
+        self._lose(node, now, f"node {node} lost (its agent's connection closed)")
 
     def _lose(self, node: str, now: float, cause: str = "") -> None:
         s = self._state

@@ -177,6 +177,7 @@ class FakeControl:
         self.lost = False
         self.successor: str | None = "n1"
         self.coordinator_node, self.standby_port, self.next_heartbeat = "n0", 4000, 0.0
+        self.connection_lost = False
 
     def send(self, msg: Body, epoch: int) -> None:
         self.codec.encode(msg, epoch)  # a well-formed control message

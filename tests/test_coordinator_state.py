@@ -293,3 +293,17 @@ def test_a_coordinator_that_formed_a_round_ignores_a_redirect():
         coordinator_node="z", addr="10.0.0.2", port=4000)), 2.0)
     assert coordinator._state.redirect is None and len(socket.sent) == sent
     assert coordinator._state.epoch == epoch, "an announcement's epoch is not adopted"
+
+
+def test_a_members_closed_connection_is_a_lost_node_at_once():
+    """An agent's connection closed (its process died): lost at once, not after the timeout."""
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    _running(coordinator)
+    state, restarts = coordinator._state, coordinator._state.restart_count
+    coordinator._disconnected(b"someone-else", 2.0)  # a status query's socket, say
+    coordinator._disconnected(b"a", 2.0)  # the host's own agent: alive by definition
+    assert sorted(state.group_ranks) == ["a", "b"] and state.phase == "running"
+    coordinator._disconnected(b"b", 2.0)  # long before the node timeout (5 s)
+    assert "b" not in state.group_ranks and state.restart_count == restarts + 1
+    recover = [m.body for to, m in socket.sent if m.body.TYPE == "recover"][-1]
+    assert recover.cause == "node b lost (its agent's connection closed)"

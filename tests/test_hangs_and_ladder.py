@@ -130,7 +130,8 @@ def test_local_messages_round_trip():
                          ("section", {"pid": 7, "name": "step", "open": False}),
                          ("parked", {"pid": 7, "error": "", "step": 5, "sent": 1.5}), ("abort", {}),
                          ("resume", {"env": {"RANK": "1"}}), ("committed", {"step": 4}),
-                         ("durable", {"pid": 7, "rank": 1, "step": 4})]:
+                         ("durable", {"pid": 7, "rank": 1, "step": 4, "seconds": 1.25}),
+                         ("staged", {"pid": 7, "rank": 1, "step": 4, "seconds": 0.5})]:
         msg = unpack_local(pack_local(LOCAL[kind](**fields)))
         assert (msg.TYPE, msg.payload()) == (kind, fields)
 
