@@ -51,6 +51,12 @@ class Metrics:
         self.recovery = Histogram("ftlaunch_recovery_seconds", "Failure to ranks back.",
                                   buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
                                   registry=r)
+        self.detection = Histogram("ftlaunch_detection_seconds", "The last step report "
+                                   "before a failure until the failure is known (a hang's "
+                                   "length; for a crash, about one report interval).",
+                                   buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, 1800),
+                                   registry=r)
+        self._failing = False  # the current attempt's failure is counted already
         seconds = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
         self.stall = Histogram("ftlaunch_checkpoint_stall_seconds", "How long a rank's save "
                                "blocked training (until staged in shared memory).",
@@ -76,6 +82,12 @@ class Metrics:
         with self._lock:
             self._events.append(dict(record))
         kind = record["event"]
+        if kind in ("rank_failed", "rank_hung", "recovering") and not self._failing:
+            self._failing = True
+            if self._last_progress is not None:
+                self.detection.observe(max(0.0, record["ts"] - self._last_progress[0]))
+        elif kind in ("recovered", "started"):
+            self._failing = False
         if kind == "recovering":
             self.restarts.labels(cause_kind(record.get("cause", "")),
                                  record.get("policy", "")).inc()

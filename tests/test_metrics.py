@@ -41,6 +41,7 @@ def test_a_scrape_during_a_job_shows_the_restart_the_recovery_and_each_ranks_hea
     assert m['ftlaunch_restarts_total{cause="rank_exit",policy="rank"}'] == 1, m
     assert m["ftlaunch_recovery_seconds_count"] == 1 and m["ftlaunch_recovery_seconds_sum"] > 0
     assert m["ftlaunch_rank_failures_total"] == 1
+    assert m["ftlaunch_detection_seconds_count"] == 1  # the kill, once (not each event of it)
     ages = {k: v for k, v in m.items() if k.startswith("ftlaunch_heartbeat_age_seconds{")}
     assert set(ages) == {'ftlaunch_heartbeat_age_seconds{rank="0"}',
                          'ftlaunch_heartbeat_age_seconds{rank="1"}'}, m
