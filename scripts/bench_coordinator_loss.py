@@ -61,7 +61,7 @@ def one_run(mode: str, args, work: Path, env: dict[str, str]) -> dict:
                               timeout=1, after=lost_at)
         stepped = b.wait_for(r"\[rank0\]: step \d+ ", timeout=120, after=lost_at)
         at = {line: ts for ts, line in b.lines}
-        return {"mode": mode, "why": followed.group(1),
+        return {"mode": mode, "why": followed.group(1), "recovered": back.string.split("ftlaunch: ")[-1],
                 "ranks_back": at[back.string] - lost_at, "next_step": at[stepped.string] - lost_at}
     finally:
         if mode != "process dies":
