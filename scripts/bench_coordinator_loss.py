@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_node_loss import Agent, free_port  # noqa: E402  (the same agent harness)
+from bench_node_loss import Agent, free_port, wait_listening  # noqa: E402  (same harness)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,12 +44,7 @@ def one_run(mode: str, args, work: Path, env: dict[str, str]) -> dict:
     a = Agent("a", work, common, env)
     b = None
     try:
-        deadline = time.monotonic() + 120
-        while not any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
-                      for c in psutil.net_connections("tcp")):
-            if time.monotonic() > deadline:
-                raise TimeoutError("node a's coordinator never listened")
-            time.sleep(0.05)  # the kernel's socket table: no event to wait on
+        wait_listening(port)
         b = Agent("b", work, common, env)
         b.wait_for(r"\[rank1\]: step 60 ", timeout=300)
         victims = [psutil.Process(a.proc.pid), *psutil.Process(a.proc.pid).children(True)]

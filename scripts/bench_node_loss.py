@@ -134,6 +134,16 @@ class Agent:
                 self.kill_node()
 
 
+def wait_listening(port: int, timeout: float = 120) -> None:
+    """Until node a's coordinator listens on ``port``."""
+    deadline = time.monotonic() + timeout
+    while not any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                  for c in psutil.net_connections("tcp")):
+        if time.monotonic() > deadline:
+            raise TimeoutError("node a's coordinator never listened")
+        time.sleep(0.05)  # the kernel's socket table: no event to wait on
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -161,12 +171,7 @@ def one_run(mode: str, args, work: Path, env: dict[str, str], uri: str) -> dict:
     agents: list[Agent] = []
     try:
         agents.append(Agent("a", work, common, env))
-        deadline = time.monotonic() + 120
-        while not any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
-                      for c in psutil.net_connections("tcp")):
-            if time.monotonic() > deadline:
-                raise TimeoutError("node a's coordinator never listened")
-            time.sleep(0.05)  # the kernel's socket table: no event to wait on
+        wait_listening(port)
         agents.append(Agent("b", work, common, env))
         for agent in agents:
             agent.wait_for(r"restored 0 ", timeout=300)
