@@ -146,7 +146,7 @@ class Coordinator:
         self._state = state
         self._socket = sock
         self._stopping = threading.Event()
-        self._handed_over = threading.Event()  # see handed_over()
+        self._handed_over = threading.Event()  # see wait_handed_over()
         self._thread = threading.Thread(target=self._serve, name="ftlaunch-coordinator",
                                         daemon=True)
         self._fds: dict[bytes, int] = {}  # a peer's connection (its file descriptor)
@@ -239,9 +239,11 @@ class Coordinator:
                 if len(parts) < 2:
                     raise ProtocolError("no identity frame")
                 identity = parts[0].bytes
-                self._fds[identity] = parts[1].get(zmq.SRCFD)  # its connection
-                self._handle(identity, self._codec.decode([p.bytes for p in parts[1:]]),
-                             time.monotonic())
+                received = self._codec.decode([p.bytes for p in parts[1:]])
+                # Its connection, once it proved it holds the secret: a forged message from a
+                # connection that then closes must not make a member look dead.
+                self._fds[identity] = parts[1].get(zmq.SRCFD)
+                self._handle(identity, received, time.monotonic())
             except ProtocolError as e:
                 log.warning("dropped control message: %s", e)
             except Exception:  # a bug must not silently stop the job's only decider
