@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -67,6 +68,14 @@ class Launch:
             self.lines.append(line)
         self._queue.put(None)
         return code
+
+    def drain(self) -> str:
+        """Take in every line printed so far without waiting; return all output."""
+        with contextlib.suppress(queue.Empty):
+            while (line := self._queue.get_nowait()) is not None:
+                self.lines.append(line)
+            self._queue.put(None)
+        return self.output
 
     @property
     def output(self) -> str:

@@ -224,8 +224,13 @@ def test_fsdp_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(tmp_path,
     assert resumed >= 10 and "storage" not in shrunk.group(2), shrunk.group(0)
     _wait_committed(tmp_path / "ckpt", resumed + 10, world=2)  # before the node joins
     nodes.append(_node(launch, port, "2:3", *args, extra=["--no-warm-pool"]))
-    grown = nodes[-1].wait_for(r"world 3 pid \d+ resume_from \d+ \((.*), resharded from 2 "
-                               r"ranks\)", timeout=90)
+    try:
+        grown = nodes[-1].wait_for(r"world 3 pid \d+ resume_from \d+ \((.*), resharded from 2 "
+                                   r"ranks\)", timeout=90)
+    except BaseException:
+        for run in nodes:  # what the others did meanwhile, for the post-mortem
+            print(f"--- node\n{run.drain()}")
+        raise
     assert grown.group(1).startswith("peer memory"), grown.group(0)  # it held nothing
     for run in nodes:
         assert run.finish() == 0, run.output
@@ -253,7 +258,7 @@ def test_a_hot_spare_restores_a_lost_nodes_ranks_from_a_peers_memory(tmp_path, l
     taken = spare.wait_for(rf"start rank {ranks[2]} world 3 pid \d+ resume_from (\d+) "
                            r"\((.*)\)", timeout=90)
     assert int(taken.group(1)) >= 10 and taken.group(2).startswith("peer memory (node "), \
-        taken.group(0)
+        f"{taken.group(0)}\n--- spare\n{spare.drain()}\n--- first node\n{nodes[0].drain()}"
     for run in (*nodes, spare):
         assert run.finish() == 0, run.output
     faulted = json.loads((tmp_path / "out.json").read_text())

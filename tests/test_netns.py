@@ -53,13 +53,6 @@ class NodeLaunch(Launch):
         self._queue: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
-    def drain(self) -> str:
-        """Take in every line printed so far without waiting; return all output."""
-        with contextlib.suppress(queue.Empty):
-            while (line := self._queue.get_nowait()) is not None:
-                self.lines.append(line)
-            self._queue.put(None)
-        return self.output
 
 
 @pytest.fixture
