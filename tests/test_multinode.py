@@ -33,23 +33,19 @@ def _wait_listening(port: int, timeout: float = 90) -> None:
     pytest.fail(f"nothing listened on {port} within {timeout}s")
 
 
-def _wait_committed(ckpt_dir, step: int, world: int, timeout: float = 90) -> None:
-    """Block until every rank of a ``world``-rank job made its shard of ``step`` durable in
-    ``ckpt_dir`` (an earlier world may have left metas of the same step number there)."""
-    import msgpack
-
-    def saved_by(meta) -> int:
-        try:
-            return msgpack.unpackb(meta.read_bytes(), strict_map_key=False)["world_size"]
-        except (OSError, ValueError, KeyError):
-            return 0
-
-    metas = [ckpt_dir / f"step_{step:09d}" / f"rank_{r}.meta" for r in range(world)]
+def _wait_in_memory(log_dir, step: int, after: float = 0.0, timeout: float = 90) -> int:
+    """Block until an agent logging under ``log_dir`` heard (later than ``after``, a time.time())
+    that every rank's shard of a step >= ``step`` has a copy in another node's memory."""
     deadline = time.monotonic() + timeout
-    while not all(saved_by(m) == world for m in metas):
-        if time.monotonic() > deadline:
-            pytest.fail(f"step {step} not committed by {world} ranks within {timeout}s")
-        time.sleep(0.05)  # files written by other processes: no event to wait on
+    while time.monotonic() < deadline:
+        for path in log_dir.rglob("events.jsonl"):
+            for line in path.read_text().splitlines():
+                event = json.loads(line) if line.endswith("}") else {}  # the last may be half
+                if event.get("event") == "checkpoint_in_memory" and event["step"] >= step \
+                        and event["ts"] > after:
+                    return event["step"]
+        time.sleep(0.05)  # a file another process appends to: no event to wait on
+    pytest.fail(f"no step >= {step} held in a peer's memory within {timeout}s")
 
 
 def _node(launch, port, nnodes, *script_args, extra=(), env=None):
@@ -207,23 +203,27 @@ def test_fsdp_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(tmp_path,
     """FSDP2 over 3 loopback nodes (--nnodes 2:3): one node is lost -> the job goes on with 2,
     its sharded state cut from the 3 ranks' checkpoint; a node joins -> 3 again, cut from 2.
     Each time the shards come from the nodes' memory (their own staging, the copies peers
-    keep), not storage."""
+    keep): nothing is persisted (--persist-every beyond the run), so storage has no step to
+    offer; otherwise a step made durable before its copy reached a peer would rightly be
+    restored from storage (the newest step wins), and which comes first is a race."""
     port = _free_port()
-    args = [*_train_args(tmp_path, steps=120), "--async-ckpt", "--fsdp"]
-    nodes = [_node(launch, port, "2:3", *args, extra=["--no-warm-pool"])]
+    logs = tmp_path / "logs"
+    args = [*_train_args(tmp_path, steps=120), "--async-ckpt", "--fsdp", "--persist-every", "1000"]
+    extra = [["--no-warm-pool", "--log-dir", str(logs / f"node{i}")] for i in range(4)]
+    nodes = [_node(launch, port, "2:3", *args, extra=extra[0])]
     _wait_listening(port)
-    nodes += [_node(launch, port, "2:3", *args, extra=["--no-warm-pool"]) for _ in range(2)]
-    for run in nodes:
-        run.wait_for(r"step 20 ", timeout=120)
+    nodes += [_node(launch, port, "2:3", *args, extra=extra[i]) for i in (1, 2)]
+    _wait_in_memory(logs, 10)
     lost = nodes.pop()
     lost.proc.kill()  # the whole node: agent SIGKILLed, its rank dies with it
     lost.finish()
     shrunk = nodes[0].wait_for(r"world 2 pid \d+ resume_from (\d+) \((.*), resharded from "
                                r"3 ranks\)", timeout=90)
+    shrunk_at = time.time()
     resumed = int(shrunk.group(1))
     assert resumed >= 10 and "storage" not in shrunk.group(2), shrunk.group(0)
-    _wait_committed(tmp_path / "ckpt", resumed + 10, world=2)  # before the node joins
-    nodes.append(_node(launch, port, "2:3", *args, extra=["--no-warm-pool"]))
+    _wait_in_memory(logs, resumed + 10, after=shrunk_at)  # the 2-node world's, before a join
+    nodes.append(_node(launch, port, "2:3", *args, extra=extra[3]))
     try:
         grown = nodes[-1].wait_for(r"world 3 pid \d+ resume_from \d+ \((.*), resharded from 2 "
                                    r"ranks\)", timeout=90)
@@ -241,18 +241,22 @@ def test_fsdp_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(tmp_path,
 def test_a_hot_spare_restores_a_lost_nodes_ranks_from_a_peers_memory(tmp_path, launch):
     """FSDP2 on 3 loopback nodes and a spare beyond --nnodes MAX: a node is lost -> the spare
     takes its ranks, which restore from the copy a peer keeps in memory (no shard read from
-    storage); the final weights equal those of a run without the fault."""
-    args = [*_train_args(tmp_path, steps=60), "--async-ckpt", "--fsdp", "--step-time", "0.05"]
+    storage); the final weights equal those of a run without the fault. Nothing is persisted
+    (as in the shrink test: else a step durable before its copy was whole wins the race)."""
+    args = [*_train_args(tmp_path, steps=60), "--async-ckpt", "--fsdp", "--step-time", "0.05",
+            "--persist-every", "1000"]
     port = _free_port()
-    nodes = [_node(launch, port, "2:3", *args, extra=["--no-warm-pool"])]
+    logs = tmp_path / "logs"
+    extra = [["--no-warm-pool", "--log-dir", str(logs / f"node{i}")] for i in range(4)]
+    nodes = [_node(launch, port, "2:3", *args, extra=extra[0])]
     _wait_listening(port)
-    nodes += [_node(launch, port, "2:3", *args, extra=["--no-warm-pool"]) for _ in range(2)]
+    nodes += [_node(launch, port, "2:3", *args, extra=extra[i]) for i in (1, 2)]
     ranks = [int(run.wait_for(r"start rank (\d) world 3", timeout=120).group(1))
              for run in nodes]
-    spare = _node(launch, port, "2:3", *args, extra=["--no-warm-pool"])
+    spare = _node(launch, port, "2:3", *args, extra=extra[3])
     nodes[0].wait_for(r"node \S+ waits as a spare")  # the first node hosts the coordinator
     lost = nodes.pop()  # another one
-    lost.wait_for(r"step 30 ", timeout=120)
+    _wait_in_memory(logs, 20)
     lost.proc.kill()  # the whole node: agent SIGKILLed, its rank dies with it
     lost.finish()
     taken = spare.wait_for(rf"start rank {ranks[2]} world 3 pid \d+ resume_from (\d+) "
