@@ -1,0 +1,541 @@
+"""Goodput under a fault a minute: ftlaunch, torchrun and NVRx's ft_launcher, same script.
+
+Each run trains the unmodified scripts/train_gpt.py (DDP, gloo; checkpoint every
+--ckpt-every steps) for a fixed wall time (--minutes) and SIGKILLs a random rank (seeded
+RNG) every --every seconds; one run per launcher in turn, the order alternating run by run.
+Variants: ``plain`` (the unmodified script, its own checkpoint: rank 0 saves, fsync,
+barrier) and ``shim`` (the same script with --shim --async-ckpt: trainer_shim's restartable
+training and AsyncCheckpointer; only under ftlaunch, the shim is a no-op elsewhere).
+
+Goodput is computed the same way for every launcher, from the launcher's merged output
+read line by line (time.monotonic stamps) - rank 0's ``step N`` lines:
+
+    wall           the fixed wall time, from the launcher's start
+    productive     the time between consecutive step lines of one attempt, for the steps
+                   whose results survived: for each step number only its LAST training
+                   counts (less the checkpoint stalls below)
+    start-up       launch -> the first step line
+    re-computed    trainings of a step number that a later attempt trained again (it
+                   resumed from an older checkpoint), and the step in flight at a kill
+    restart        detection + restart: kill -> the first step line of the next attempt
+                   (a step line a survivor prints before it learns of the kill is ignored)
+    ckpt stalls    per saved step, how much longer the next step took than the run's
+                   median step (an estimate: what checkpointing blocked)
+    tail           the step in flight when the wall time ended
+
+    goodput = productive / wall; "excl. start-up" = productive / (wall - start-up)
+
+The kill schedule is fixed (every --every s from launch); a kill that falls while the job
+is still recovering is held until every rank is up and rank 0 stepped again. For ftlaunch
+its own account (``ftlaunch report LOGDIR --json``, launcher/goodput.py: from trainer_shim
+heartbeats, so only the shim variant has one) is printed beside it as a cross-check.
+
+--recovery-rate: torchrun as a new user runs it (defaults: --max-restarts 3, no store
+workaround) and with the workaround, on several scripts (scripts/train_gpt.py and
+scripts/ddp_minimal.py, the DDP tutorial's shape) and several kill points (RANK:STEP):
+recovered k of n. A run counts as recovered when rank 0 trains --rate-steps-after steps in
+a new attempt; a launcher that exits or hangs (--rate-timeout s after the kill) did not.
+
+    python scripts/bench_goodput.py --every 60,30 --minutes 4 --out-json goodput.json \\
+        --plot docs/goodput.png
+    python scripts/bench_goodput.py --recovery-rate --out-json rate.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import queue
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SCRIPTS = {"train_gpt": REPO / "scripts" / "train_gpt.py",
+           "ddp_minimal": REPO / "scripts" / "ddp_minimal.py"}
+START = re.compile(r"start rank (\d+) world \d+ pid (\d+) resume_from (\d+)")
+STEP = re.compile(r"step (\d+) loss \S+ rank (\d+)")
+CAUSES = ("start-up", "re-computed", "restart", "ckpt stalls", "tail")
+NVRX_DEFAULT = "/tmp/nvrx-venv/bin/ft_launcher"
+WORKAROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def launcher_argv(name, nproc, run_dir, max_restarts, nvrx):
+    """(argv up to the script, extra env, skip reason or None) of one launcher."""
+    n = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
+    if name == "ftlaunch":
+        return [str(BIN / "python"), "-m", "launcher", *n, "--restart-backoff", "0",
+                "--log-dir", str(run_dir / "logs")], {}, None
+    if name == "ftlaunch-default":  # what a new user types
+        return [str(BIN / "python"), "-m", "launcher", *n, "--log-dir",
+                str(run_dir / "logs")], {}, None
+    if name == "torchrun":  # with the store workaround, else it cannot recover
+        return [str(BIN / "torchrun"), *n], dict(WORKAROUND), None
+    if name == "torchrun-default":
+        return [str(BIN / "torchrun"), *n], {}, None
+    if name == "nvrx":
+        if not Path(nvrx).exists():
+            return None, None, f"{nvrx} not found (NVRx is not installed: see --nvrx)"
+        return [nvrx, *n, "--ignore-missing-fault-tol-cfg"], {}, None
+    raise ValueError(name)
+
+
+def script_args(script, variant, run_dir, ckpt_every, step_time, persist_every=1):
+    ckpt = run_dir / "ckpt"
+    if script == "ddp_minimal":
+        return [str(SCRIPTS[script]), "--epochs", "100000", "--snapshot", str(run_dir / "snap.pt"),
+                "--step-time", str(step_time)]
+    argv = [str(SCRIPTS[script]), "--steps", "10000000", "--ckpt-dir", str(ckpt),
+            "--ckpt-every", str(ckpt_every), "--step-time", str(step_time)]
+    if variant == "shim":
+        argv += ["--shim", "--async-ckpt", "--persist-every", str(persist_every)]
+    return argv
+
+
+def read_lines(stream, out):
+    for raw in iter(stream.readline, b""):
+        out.put((time.monotonic(), raw.decode(errors="replace").rstrip("\n")))
+    out.put((time.monotonic(), None))
+
+
+class Job:
+    """One launcher run: its merged output, stamped, copied to run_dir/output.log."""
+
+    def __init__(self, cmd, env, run_dir):
+        self.marker = f"BENCH_GOODPUT_RUN={run_dir}"  # inherited by every process of the run
+        env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO),
+               "BENCH_GOODPUT_RUN": str(run_dir)}
+        self.queue = queue.Queue()
+        self.log = open(run_dir / "output.log", "w")  # noqa: SIM115 - closed in stop()
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        threading.Thread(target=read_lines, args=(self.proc.stdout, self.queue),
+                         daemon=True).start()
+        self.ended = False
+
+    def next_line(self, until):
+        """(stamp, line), or (now, None) at ``until`` or when the output ended."""
+        if self.ended:
+            time.sleep(max(0.0, until - time.monotonic()))
+            return time.monotonic(), None
+        try:
+            now, line = self.queue.get(timeout=max(0.0, until - time.monotonic()))
+        except queue.Empty:
+            return time.monotonic(), None
+        if line is None:
+            self.ended = True
+            return now, None
+        self.log.write(f"{now - self.t0:9.3f} {line}\n")
+        return now, line
+
+    def stop(self, grace=15.0):
+        """SIGTERM the launcher's group, SIGKILL what is left after ``grace`` s."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid_dir in Path("/proc").iterdir():  # torchrun puts each rank in its own session
+            if pid_dir.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if self.marker.encode() + b"\0" in (pid_dir / "environ").read_bytes():
+                        os.kill(int(pid_dir.name), signal.SIGKILL)
+        self.proc.wait()
+        end = time.monotonic() + 2
+        while not self.ended and time.monotonic() < end:
+            self.next_line(end)
+        self.log.close()
+
+
+# ---------------------------------------------------------------- goodput from the stamps
+
+
+def account(t0, wall, events, ckpt_every):
+    """The goodput account of one run from its stamped events.
+
+    ``events``: (t, kind, rank, value) with kind "step" (value = step number), "start"
+    (value = pid) or "kill"; only rank 0's step and start lines are used."""
+    end = t0 + wall
+    lost = dict.fromkeys(CAUSES, 0.0)
+    trainings = []  # (step, seconds, t_end) in order; seconds 0: inside start-up / restart
+    recoveries = []  # kill -> first step line of the next attempt
+    state, prev_t, down_since, waiting_start = "startup", None, None, False
+    for t, kind, rank, value in sorted(e for e in events if e[0] <= end):
+        if kind == "kill":
+            if state == "up":
+                lost["re-computed"] += t - prev_t  # the step in flight
+                state, down_since, waiting_start = "down", t, True
+            continue
+        if rank != 0:
+            continue
+        if kind == "start":
+            if state == "down" and t >= down_since:
+                waiting_start = False
+        elif kind == "step":
+            if state == "startup":
+                lost["start-up"] = t - t0
+                trainings.append((value, 0.0, t))
+                state, prev_t = "up", t
+            elif state == "up":
+                trainings.append((value, t - prev_t, t))
+                prev_t = t
+            elif not waiting_start:  # down, and rank 0 has started again
+                lost["restart"] += t - down_since
+                recoveries.append(t - down_since)
+                trainings.append((value, 0.0, t))
+                state, prev_t = "up", t
+    if state == "startup":
+        lost["start-up"] = wall
+    elif state == "up":
+        lost["tail"] = end - prev_t
+    else:
+        lost["restart"] += end - down_since
+        recoveries.append(None)  # never came back within the wall time
+    last = {step: i for i, (step, _, _) in enumerate(trainings)}
+    kept = [i == last[step] for i, (step, _, _) in enumerate(trainings)]
+    lost["re-computed"] += sum(s for (_, s, _), k in zip(trainings, kept, strict=True) if not k)
+    # checkpoint stalls: the save at step k*ckpt_every lies in the interval of the step after
+    durations = [s for (step, s, _), k in zip(trainings, kept, strict=True)
+                 if k and s > 0 and (ckpt_every <= 1 or (step - 1) % ckpt_every)]
+    typical = statistics.median(durations) if durations else 0.0
+    timeline, productive = [(t0, 0.0)], 0.0
+    for (step, seconds, t), k in zip(trainings, kept, strict=True):
+        if not k or seconds <= 0:
+            continue
+        saved = ckpt_every > 1 and (step - 1) % ckpt_every == 0  # every step: not told apart
+        stall = max(0.0, seconds - typical) if saved else 0.0
+        lost["ckpt stalls"] += stall
+        productive += seconds - stall
+        timeline.append((t, productive))
+    timeline.append((end, productive))
+    startup = lost["start-up"]
+    return {"wall_s": wall, "productive_s": productive, "goodput": productive / wall,
+            "goodput_excl_startup": productive / (wall - startup) if wall > startup else None,
+            "lost_s": lost, "unaccounted_s": wall - productive - sum(lost.values()),
+            "recoveries_s": recoveries, "steps_final": max(last) if last else 0,
+            "step_median_s": typical,
+            "timeline": [(round(t - t0, 3), round(p, 3)) for t, p in timeline]}
+
+
+def ftlaunch_report(log_dir):
+    """ftlaunch's own account of the run (launcher/goodput.py), or None."""
+    out = subprocess.run([str(BIN / "python"), "-m", "launcher", "report", str(log_dir),
+                          "--json"], cwd=REPO, capture_output=True, text=True, check=False,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        data = json.loads(out.stdout)
+    except ValueError:
+        return {"error": (out.stdout + out.stderr)[-500:]}
+    return data
+
+
+# ---------------------------------------------------------------- one fixed-wall run
+
+
+def goodput_run(launcher, variant, every, args, run_dir, rng):
+    argv, env, skip = launcher_argv(launcher, args.nproc, run_dir, 1000, args.nvrx)
+    if skip:
+        return {"launcher": launcher, "variant": variant, "every_s": every, "skipped": skip}
+    ckpt_every = args.shim_ckpt_every if variant == "shim" else args.ckpt_every
+    cmd = argv + script_args("train_gpt", variant, run_dir, ckpt_every, args.step_time,
+                             args.shim_persist_every)
+    wall = args.minutes * 60
+    load_before = os.getloadavg()
+    job = Job(cmd, env, run_dir)
+    t0, events, kills = job.t0, [], []
+    end, next_kill = t0 + wall, t0 + every
+    pids, started, up = {}, set(), False  # up: every rank started since the kill, rank 0 stepped
+    while True:
+        now, line = job.next_line(min(end, next_kill) if up else end)
+        if now >= end:
+            break
+        if line is not None:
+            if m := START.search(line):
+                rank, pid = int(m[1]), int(m[2])
+                pids[rank] = pid
+                started.add(rank)
+                events.append((now, "start", rank, pid))
+            elif m := STEP.search(line):
+                events.append((now, "step", int(m[2]), int(m[1])))
+                if int(m[2]) == 0 and len(started) == args.nproc:
+                    up = True
+        if up and time.monotonic() >= next_kill:
+            victim = rng.randrange(args.nproc)
+            t = time.monotonic()
+            try:
+                os.kill(pids[victim], signal.SIGKILL)
+            except ProcessLookupError:  # replaced a moment ago: try again with the next line
+                continue
+            events.append((t, "kill", victim, pids[victim]))
+            kills.append({"t": round(t - t0, 3), "rank": victim, "pid": pids[victim],
+                          "late_s": round(t - next_kill, 3)})
+            up, started = False, set()
+            next_kill += every
+    returncode = job.proc.poll()
+    job.stop()
+    r = {"launcher": launcher, "variant": variant, "every_s": every, "minutes": args.minutes,
+         "kills": kills, "faults": len(kills), "exited_early_rc": returncode,
+         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+         "log": str(run_dir / "output.log"),
+         "ckpt_every": ckpt_every, **account(t0, wall, events, ckpt_every)}
+    if launcher.startswith("ftlaunch"):
+        r["ftlaunch_report"] = ftlaunch_report(run_dir / "logs")
+    return r
+
+
+def fmt_s(v):
+    return "-" if v is None else f"{v:.2f}"
+
+
+def ft_own(r):
+    """The first run's account in ftlaunch's report ({run dir: account}), or None."""
+    rep = r.get("ftlaunch_report")
+    if not isinstance(rep, dict) or "error" in rep:
+        return None
+    accounts = [a for a in rep.values() if isinstance(a, dict)]
+    return accounts[0] if accounts else None
+
+
+def print_run(r):
+    if "skipped" in r:
+        print(f"{r['launcher']:<9} {r['variant']:<5} every {r['every_s']:g}s: skipped: "
+              f"{r['skipped']}", flush=True)
+        return
+    rec = [x for x in r["recoveries_s"] if x is not None]
+    print(f"{r['launcher']:<9} {r['variant']:<5} every {r['every_s']:>3g}s: goodput "
+          f"{r['goodput']:.4f} (excl. start-up {fmt_s(r['goodput_excl_startup'])}), "
+          f"{r['faults']} faults, recovery median "
+          f"{fmt_s(statistics.median(rec) if rec else None)}s, lost "
+          + ", ".join(f"{k} {v:.2f}" for k, v in r["lost_s"].items())
+          + f", load {r['loadavg_before'][0]:.2f}->{r['loadavg_after'][0]:.2f}", flush=True)
+    own = ft_own(r)
+    if r["launcher"].startswith("ftlaunch"):
+        if own is None:
+            print(f"    ftlaunch's own account: {r.get('ftlaunch_report')}", flush=True)
+        else:
+            g = own.get("goodput")
+            lost = ", ".join(f"{k} {v:.2f}" for k, v in own["lost_s"].items() if v)
+            print(f"    ftlaunch's own account: goodput {'unknown' if g is None else g} over "
+                  f"{own['wall_s']:.1f}s (to its last event), lost {lost}, "
+                  f"{own['restarts']} restarts, recovery phases {own['recovery_phases_s']}"
+                  + (f"; {'; '.join(own['notes'])}" if own.get("notes") else ""), flush=True)
+
+
+def table(runs):
+    head = ("| launcher | variant | fault every | goodput | excl. start-up | faults | "
+            + " | ".join(f"{c} s" for c in CAUSES) + " | median recovery s | ftlaunch's own |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in runs:
+        if "skipped" in r:
+            lines.append(f"| {r['launcher']} | {r['variant']} | {r['every_s']:g} s | skipped: "
+                         f"{r['skipped']} |")
+            continue
+        rec = [x for x in r["recoveries_s"] if x is not None]
+        own = ft_own(r)
+        own_s = "-" if own is None or own.get("goodput") is None else f"{own['goodput']:.4f}"
+        lines.append(f"| {r['launcher']} | {r['variant']} | {r['every_s']:g} s | "
+                     f"**{r['goodput']:.4f}** | {fmt_s(r['goodput_excl_startup'])} | "
+                     f"{r['faults']} | "
+                     + " | ".join(f"{r['lost_s'][c]:.2f}" for c in CAUSES)
+                     + f" | {fmt_s(statistics.median(rec) if rec else None)} | {own_s} |")
+    return "\n".join(lines)
+
+
+def plot(runs, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    intervals = sorted({r["every_s"] for r in runs if "timeline" in r}, reverse=True)
+    fig, axes = plt.subplots(1, len(intervals), figsize=(6.5 * len(intervals), 4.8),
+                             squeeze=False)
+    for ax, every in zip(axes[0], intervals, strict=True):
+        for r in runs:
+            if r.get("every_s") != every or "timeline" not in r:
+                continue
+            xs, ys = zip(*r["timeline"], strict=True)
+            line, = ax.step(xs, ys, where="post",
+                            label=f"{r['launcher']} {r['variant']}: {r['goodput']:.3f}")
+            for k in r["kills"]:
+                ax.axvline(k["t"], color=line.get_color(), alpha=0.25, lw=0.8)
+        wall = max(r["wall_s"] for r in runs if r.get("every_s") == every and "wall_s" in r)
+        ax.plot([0, wall], [0, wall], color="grey", ls=":", lw=1, label="goodput 1")
+        ax.set_title(f"kill -9 of a random rank every {every:g} s")
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel("cumulative productive step time (s)")
+        ax.legend(loc="upper left", fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle("Goodput timeline: scripts/train_gpt.py, DDP/gloo, 2 vCPU (kills: thin lines)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+# ---------------------------------------------------------------- torchrun's recovery rate
+
+
+def rate_run(launcher, script, kill_rank, kill_step, args, run_dir):
+    """One kill -9 of ``kill_rank`` at its first step line >= ``kill_step``: the outcome."""
+    argv, env, skip = launcher_argv(launcher, args.nproc, run_dir, args.rate_max_restarts,
+                                    args.nvrx)
+    r = {"launcher": launcher, "script": script, "kill_rank": kill_rank,
+         "kill_step": kill_step}
+    if skip:
+        return {**r, "outcome": "skipped", "why": skip}
+    cmd = argv + script_args(script, "plain", run_dir, 10, args.step_time)
+    job = Job(cmd, env, run_dir)
+    deadline = job.t0 + args.rate_timeout
+    pids, kill_t, restarted, after, outcome, restarts = {}, None, False, 0, None, 0
+    while outcome is None:
+        now, line = job.next_line(deadline)
+        if line is None:
+            if job.ended:
+                job.proc.wait()
+                outcome = f"exited rc {job.proc.returncode}"
+            elif now >= deadline:
+                outcome = "hung" if kill_t is not None else "no kill (timeout)"
+            continue
+        if m := START.search(line):
+            pids[int(m[1])] = int(m[2])
+            if kill_t is not None and int(m[1]) == 0:
+                restarted = True
+                restarts += 1
+        elif (m := STEP.search(line)) and kill_t is None and int(m[2]) == kill_rank \
+                and int(m[1]) >= kill_step and kill_rank in pids:
+            kill_t = now
+            os.kill(pids[kill_rank], signal.SIGKILL)
+            deadline = now + args.rate_timeout
+        elif m and restarted and int(m[2]) == 0:
+            after += 1
+            if after == 1:
+                r["kill_to_step_s"] = round(now - kill_t, 2)
+            if after >= args.rate_steps_after:
+                outcome = "recovered"
+    job.stop(grace=5)
+    r.update(outcome=outcome, rank0_starts_after_kill=restarts, log=str(run_dir / "output.log"))
+    return r
+
+
+def recovery_rate(args, work):
+    launchers = [x for x in args.rate_launchers.split(",") if x]
+    points = [tuple(map(int, p.split(":"))) for p in args.kill_points.split(",") if p]
+    scripts = [s for s in args.rate_scripts.split(",") if s]
+    results, i = [], 0
+    for script in scripts:
+        for kill_rank, kill_step in points:
+            order = launchers if i % 2 == 0 else launchers[::-1]
+            i += 1
+            for launcher in order:
+                run_dir = work / f"rate-{script}-{launcher}-r{kill_rank}s{kill_step}"
+                run_dir.mkdir(parents=True)
+                r = rate_run(launcher, script, kill_rank, kill_step, args, run_dir)
+                results.append(r)
+                print(f"rate {launcher:<18} {script:<12} kill rank {kill_rank} at step "
+                      f"{kill_step:>3}: {r['outcome']}"
+                      + (f" (kill -> step {r['kill_to_step_s']}s)" if "kill_to_step_s" in r
+                         else "") + f"  [{r.get('log', '')}]", flush=True)
+    print("\n| launcher | script | recovered | outcomes |\n|---|---|---|---|")
+    for launcher in launchers:
+        for script in scripts:
+            mine = [r for r in results if r["launcher"] == launcher and r["script"] == script
+                    and r["outcome"] != "skipped"]
+            if not mine:
+                continue
+            k = sum(r["outcome"] == "recovered" for r in mine)
+            outs = ", ".join(f"r{r['kill_rank']}@{r['kill_step']}: {r['outcome']}" for r in mine)
+            print(f"| {launcher} | {script} | **{k} of {len(mine)}** | {outs} |")
+    return results
+
+
+# ---------------------------------------------------------------- main
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--launchers", default="ftlaunch,torchrun,nvrx",
+                   help="comma list of ftlaunch, torchrun (with its store workaround), nvrx")
+    p.add_argument("--variants", default="plain,shim",
+                   help="plain (unmodified script), shim (--shim --async-ckpt; ftlaunch only)")
+    p.add_argument("--every", default="60,30", help="comma list: seconds between kills")
+    p.add_argument("--minutes", type=float, default=4.0, help="fixed wall time per run")
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--ckpt-every", type=int, default=10, help="plain: the script's --ckpt-every")
+    p.add_argument("--shim-ckpt-every", type=int, default=2,
+                   help="shim: AsyncCheckpointer saves (staged in shared memory) every K steps")
+    p.add_argument("--shim-persist-every", type=int, default=50,
+                   help="shim: of the saved steps, persist multiples of this to --ckpt-dir")
+    p.add_argument("--step-time", type=float, default=0.1,
+                   help="the script's extra sleep per step (a stand-in for device time)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nvrx", default=NVRX_DEFAULT, help="NVRx's ft_launcher (its own venv)")
+    p.add_argument("--recovery-rate", action="store_true",
+                   help="measure torchrun's recovery rate instead of goodput")
+    p.add_argument("--rate-launchers", default="torchrun-default,torchrun,ftlaunch-default,nvrx")
+    p.add_argument("--rate-scripts", default="train_gpt,ddp_minimal")
+    p.add_argument("--kill-points", default="1:3,1:30,0:15",
+                   help="comma list of RANK:STEP")
+    p.add_argument("--rate-max-restarts", type=int, default=3)
+    p.add_argument("--rate-timeout", type=float, default=150,
+                   help="seconds after the kill (and before it) before a run counts as hung")
+    p.add_argument("--rate-steps-after", type=int, default=5)
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--out-json", default=None)
+    p.add_argument("--plot", default=None, help="PNG of the goodput timeline")
+    args = p.parse_args()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_goodput_")).resolve()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True, check=False).stdout.strip()
+    info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "commit": commit, "cpus": os.cpu_count(), "argv": sys.argv[1:],
+            "loadavg_start": os.getloadavg()}
+    print(f"{info['date']}  commit {commit}  {info['cpus']} CPUs  load "
+          f"{info['loadavg_start'][0]:.2f}\nlogs in {work}", flush=True)
+    if args.recovery_rate:
+        out = {**info, "config": vars(args), "recovery_rate": recovery_rate(args, work)}
+    else:
+        configs = [(lc, v) for v in args.variants.split(",") for lc in args.launchers.split(",")
+                   if v == "plain" or lc.startswith("ftlaunch")]
+        runs, i = [], 0
+        for rep in range(args.reps):
+            for every in (float(x) for x in args.every.split(",")):
+                for launcher, variant in configs if i % 2 == 0 else configs[::-1]:
+                    run_dir = work / f"rep{rep}-{launcher}-{variant}-{every:g}"
+                    run_dir.mkdir(parents=True)
+                    rng = random.Random(f"{args.seed}-{rep}-{every:g}")  # same victims
+                    r = goodput_run(launcher, variant, every, args, run_dir, rng)
+                    r["rep"] = rep
+                    runs.append(r)
+                    print_run(r)
+                i += 1
+        print("\n" + table(runs))
+        if args.plot:
+            plot(runs, args.plot)
+        out = {**info, "config": vars(args), "runs": runs}
+    out["loadavg_end"] = os.getloadavg()
+    if args.out_json:
+        Path(args.out_json).write_text(json.dumps(out, indent=1))
+    if not args.keep and not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
