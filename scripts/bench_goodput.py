@@ -478,7 +478,7 @@ def main():
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--ckpt-every", type=int, default=10, help="plain: the script's --ckpt-every")
-    p.add_argument("--shim-ckpt-every", type=int, default=2,
+    p.add_argument("--shim-ckpt-every", type=int, default=5,
                    help="shim: AsyncCheckpointer saves (staged in shared memory) every K steps")
     p.add_argument("--shim-persist-every", type=int, default=50,
                    help="shim: of the saved steps, persist multiples of this to --ckpt-dir")
