@@ -358,33 +358,39 @@ def table(runs):
 
 
 def plot(runs, path):
+    """Per fault interval: cumulative productive time (top) and time lost (bottom) vs wall."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     intervals = sorted({r["every_s"] for r in runs if "timeline" in r}, reverse=True)
-    fig, axes = plt.subplots(1, len(intervals), figsize=(6.5 * len(intervals), 4.8),
-                             squeeze=False)
-    for ax, every in zip(axes[0], intervals, strict=True):
-        for r in runs:
-            if r.get("every_s") != every or "timeline" not in r:
-                continue
+    fig, axes = plt.subplots(2, len(intervals), figsize=(6.5 * len(intervals), 8.2),
+                             squeeze=False, sharex="col", height_ratios=[3, 2])
+    for col, every in enumerate(intervals):
+        top, bottom = axes[0][col], axes[1][col]
+        mine = [r for r in runs if r.get("every_s") == every and "timeline" in r]
+        for r in mine:
             xs, ys = zip(*r["timeline"], strict=True)
-            line, = ax.step(xs, ys, where="post",
-                            label=f"{r['launcher']} {r['variant']}: {r['goodput']:.3f}")
-            for k in r["kills"]:
-                ax.axvline(k["t"], color=line.get_color(), alpha=0.25, lw=0.8)
-        wall = max(r["wall_s"] for r in runs if r.get("every_s") == every and "wall_s" in r)
-        ax.plot([0, wall], [0, wall], color="grey", ls=":", lw=1, label="goodput 1")
-        ax.set_title(f"kill -9 of a random rank every {every:g} s")
-        ax.set_xlabel("wall time (s)")
-        ax.set_ylabel("cumulative productive step time (s)")
-        ax.legend(loc="upper left", fontsize=8)
-        ax.grid(alpha=0.3)
-    fig.suptitle("Goodput timeline: scripts/train_gpt.py, DDP/gloo, 2 vCPU (kills: thin lines)")
+            label = f"{r['launcher']} {r['variant']}: goodput {r['goodput']:.3f}"
+            top.step(xs, ys, where="post", label=label)
+            bottom.step(xs, [x - y for x, y in zip(xs, ys, strict=True)], where="post",
+                        label=label)
+        for k in mine[0]["kills"] if mine else []:
+            for ax in (top, bottom):
+                ax.axvline(k["t"], color="grey", alpha=0.35, lw=0.8)
+        wall = max(r["wall_s"] for r in mine)
+        top.plot([0, wall], [0, wall], color="grey", ls=":", lw=1, label="goodput 1")
+        top.set_title(f"kill -9 of a random rank every {every:g} s (grey lines)")
+        top.set_ylabel("cumulative productive step time (s)")
+        bottom.set_ylabel("wall - productive: time lost (s)")
+        bottom.set_xlabel("wall time since launch (s)")
+        top.legend(loc="upper left", fontsize=8)
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+    fig.suptitle("Goodput timeline: scripts/train_gpt.py, DDP/gloo, 2 ranks on 2 vCPU")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     print(f"plot: {path}")
 
 
@@ -500,7 +506,15 @@ def main():
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--out-json", default=None)
     p.add_argument("--plot", default=None, help="PNG of the goodput timeline")
+    p.add_argument("--from-json", default=None,
+                   help="no runs: the table (and --plot) of an earlier --out-json")
     args = p.parse_args()
+    if args.from_json:
+        runs = json.loads(Path(args.from_json).read_text())["runs"]
+        print(table(runs))
+        if args.plot:
+            plot(runs, args.plot)
+        return
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_goodput_")).resolve()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True, check=False).stdout.strip()
