@@ -92,10 +92,23 @@ def unpack_local(data: bytes) -> Body:
     return _build(messages.LOCAL[kind], fields)
 
 
+def _row_fields(types: dict[str, type[Body]]) -> dict[type[Body], tuple[tuple[str, Any], ...]]:
+    """Per message class: its fields that hold rows, with the record each row becomes."""
+    out = {}
+    for cls in types.values():
+        hints = get_type_hints(cls, vars(messages))
+        out[cls] = tuple((name, messages.ROWS[hint]) for name, hint in hints.items()
+                         if hint in messages.ROWS)
+    return out
+
+
+_ROW_FIELDS = {**_row_fields(messages.CONTROL), **_row_fields(messages.LOCAL)}
+"""Computed once: resolving a class's annotations costs more than all the rest of a decode."""
+
+
 def _build(cls: type[Body], fields: dict[str, Any]) -> Body:
-    for name, hint in get_type_hints(cls, vars(messages)).items():
-        if hint in messages.ROWS:
-            fields[name] = tuple(messages.ROWS[hint](*row) for row in fields[name])
+    for name, record in _ROW_FIELDS[cls]:
+        fields[name] = tuple(record(*row) for row in fields[name])
     return cls(**fields)
 
 

@@ -31,6 +31,18 @@ from launcher.coordinator import Coordinator, JobState, bind_router
 
 log = logging.getLogger("ftlaunch.control")
 
+HEARTBEATS_PER_SECOND = 2048
+"""What a coordinator hears at most from a large job's heartbeats: beyond that many nodes
+per configured interval, each node heartbeats less often (see heartbeat_interval)."""
+
+
+def heartbeat_interval(configured: float, node_timeout: float, nodes: int) -> float:
+    """Seconds between a node's heartbeats in a job of ``nodes``: the configured interval,
+    or longer once the coordinator would hear more than HEARTBEATS_PER_SECOND, never more
+    than a third of the node timeout (heartbeats go over TCP: none is lost on the way, and
+    a node is declared lost only after 3 missed)."""
+    return max(configured, min(node_timeout / 3, nodes / HEARTBEATS_PER_SECOND))
+
 
 def job_secret(secret_file: str | None, rdzv_id: str, single_node: bool) -> bytes:
     """The per-job key for message signatures: FTLAUNCH_SECRET, --secret-file, or a default."""
@@ -78,6 +90,7 @@ class ControlPlane:
         self.node_id, self.addr = node_id, addr
         self._new_state = new_state
         self._node_timeout, self._interval = node_timeout, heartbeat_interval
+        self._configured_interval = heartbeat_interval
         self.codec = Codec(secret)
         self.coordinator: Coordinator | None = None
         self.standby: zmq.Socket | None
@@ -153,6 +166,8 @@ class ControlPlane:
         if isinstance(received.body, Assign):
             self.members = received.body.members
             self.coordinator_node = received.body.coordinator_node
+            self._interval = heartbeat_interval(self._configured_interval, self._node_timeout,
+                                                received.body.group_world_size)
         elif isinstance(received.body, Redirect):  # the job runs under a successor: go there
             self._reconnect(received.body.addr, received.body.port)
             self.coordinator_node = received.body.coordinator_node
@@ -208,7 +223,10 @@ class ControlPlane:
         if successor == self.node_id and self.standby is not None:
             state = self.new_state_for_host()
             state.epoch, state.restart_count = epoch, restart_count
-            state.expected_count = group_world_size - len(self._lost)  # some not listed by name
+            # Some survivors are not listed by name; lost nodes of earlier rounds are not
+            # counted in group_world_size any more.
+            state.expected_count = group_world_size - sum(m.node_id in self._lost
+                                                          for m in self.members)
             now = time.monotonic()
             for rank, (node, _, port) in enumerate(self.members):
                 if node in self._lost:

@@ -55,6 +55,9 @@ from launcher.commits import CommitLog
 log = logging.getLogger("ftlaunch.coordinator")
 
 TICK_SECONDS = 0.05
+ACKS_PER_TIMEOUT = 4
+"""A node's heartbeats are acked at most this often per node_timeout (it heartbeats far more
+often: one ack per heartbeat would double the coordinator's work for nothing)."""
 SUCCESSORS = 16
 """An assign lists only the first group ranks: the nodes that may take over the coordinator.
 Enough for 15 coordinator losses in a row, and keeps each assign O(1) in the job's size."""
@@ -123,6 +126,10 @@ def bind_router(context: zmq.Context, addr: str, port: int) -> tuple[zmq.Socket,
     sock.setsockopt(zmq.LINGER, 1000)  # let the last "stop" reach every agent
     sock.setsockopt(zmq.MAXMSGSIZE, 2 << 20)  # anything larger is cut off by ZeroMQ itself
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    # Every survivor of a lost coordinator connects to its successor at once: with ZeroMQ's
+    # default backlog (100) the kernel drops the rest of the SYNs, and TCP retries after 1 s,
+    # then 3 s... (the kernel caps it at net.core.somaxconn).
+    sock.setsockopt(zmq.BACKLOG, 65535)
     try:
         if port:
             sock.bind(f"tcp://{addr}:{port}")
@@ -150,6 +157,7 @@ class Coordinator:
         self._thread = threading.Thread(target=self._serve, name="ftlaunch-coordinator",
                                         daemon=True)
         self._fds: dict[bytes, int] = {}  # a peer's connection (its file descriptor)
+        self._acked: dict[bytes, float] = {}  # when each connection's heartbeat was last acked
         self._announcer: zmq.Socket | None = None
         self._announcement = announce[1] if announce else None
         if announce:
@@ -178,10 +186,10 @@ class Coordinator:
 
     def _check_handed_over(self) -> None:
         s = self._state
-        if s.final is not None or s.host_node not in s.leaving or s.redirect is not None:
-            self._handed_over.set()
-        else:
-            self._handed_over.clear()
+        handed_over = s.final is not None or s.host_node not in s.leaving \
+            or s.redirect is not None
+        if handed_over != self._handed_over.is_set():  # an Event's set() takes a lock
+            self._handed_over.set() if handed_over else self._handed_over.clear()
 
     # --- loop ----------------------------------------------------------------------------
 
@@ -195,8 +203,10 @@ class Coordinator:
         poller.register(monitor, zmq.POLLIN)
         next_tick = 0.0
         while not self._stopping.is_set():
-            if poller.poll(int(TICK_SECONDS * 1000)):
-                self._closed_connections(monitor)  # first: a fd closed may be reused below
+            ready = dict(poller.poll(int(TICK_SECONDS * 1000)))
+            if ready:
+                if monitor in ready:  # first: a fd closed may be reused below
+                    self._closed_connections(monitor)
                 self._drain()
                 if self._state.phase == RoundPhase.JOINING and self._state.final is None:
                     self._maybe_complete_round(time.monotonic())  # not a tick later
@@ -220,6 +230,7 @@ class Coordinator:
             identity = next((i for i, fd in self._fds.items() if fd == event["value"]), None)
             if identity is not None:
                 del self._fds[identity]
+                self._acked.pop(identity, None)
                 self._disconnected(identity, time.monotonic())
     def _announce(self) -> None:
         if self._announcer is not None and self._announcement is not None \
@@ -292,7 +303,11 @@ class Coordinator:
                 s.last_seen[node] = now
                 s.node_status[node] = (msg.phase, msg.ranks)
                 s.identities[node] = identity
-                self._send(identity, HeartbeatAck())
+                # An agent takes the coordinator for lost after node_timeout without a word
+                # from it: a few acks within that are enough, not one per heartbeat.
+                if now - self._acked.get(identity, -1e9) >= s.node_timeout / ACKS_PER_TIMEOUT:
+                    self._acked[identity] = now
+                    self._send(identity, HeartbeatAck())
             else:  # declared lost but alive (it froze, or the network healed): come back in
                 self._send(identity, Recover(
                     policy=s.current_policy or s.policy, restart_count=s.restart_count,

@@ -1,22 +1,32 @@
-"""Rendezvous at scale: N simulated agents, ftlaunch's coordinator vs torch's c10d rendezvous.
+"""Rendezvous at scale: N simulated agents on real ControlPlanes, spread over processes;
+ftlaunch's coordinator against torch's c10d rendezvous where that is feasible.
 
-The server runs in this process, the N participants in one spawned child process:
+Processes (all spawned, one machine, loopback):
 
-  ftlaunch  a real Coordinator on a ROUTER socket; N DEALER agents on one zmq.Poller, each with
-            its own Codec. rendezvous = first join sent -> every agent has its assign;
-            ready = first join sent -> every agent has start (group rank 0 sends store_ready).
-  torch     a TCPStore; N DynamicRendezvousHandlers (c10d backend, a TCPStore client each,
-            min = max = N, torch's defaults otherwise) calling next_rendezvous() in N threads.
+  coordinator  agent 0 alone: its ControlPlane binds the rendezvous endpoint and hosts the
+               real Coordinator, as on node 0 of a job. Its CPU is what is measured.
+  successors   agents 1 and 2, one process each: the nodes that take the coordinator over.
+  swarm        the other N-3 agents split over --procs processes, each a real ControlPlane
+               (DEALER + monitor + standby ROUTER) on one zmq.Poller, driven as the agent's
+               loop drives it: join, store_ready from group rank 0, heartbeat at
+               --heartbeat-interval, re-join on recover, fail over to the successor.
 
-Then, with the real Coordinator: node loss (64 agents heartbeating every 0.2 s, node_timeout 1 s;
-one goes silent: time until every survivor has `recover`) and coordinator failover (64 real
-ControlPlanes; the coordinator dies: time until the successor has assigned everyone again).
+For each N: formed (first join sent -> every agent has its assign), ready (-> every agent
+has start), the coordinator process's CPU (fraction of one core over --cpu-window seconds
+while all N heartbeat), node loss (one agent silent: its last heartbeat -> every survivor
+has recover; compare --node-timeout), a dead agent (its sockets closed -> every survivor has
+recover), re-formed after each loss, and the coordinator lost twice: its process killed
+(connections close: -> every survivor has its assign from the successor) and the
+successor's process stopped (SIGSTOP, a silent machine: waits --node-timeout).
+Times are CLOCK_MONOTONIC, one clock for every process of the machine.
 
-    python scripts/bench_rendezvous.py --sizes 64       # smoke check (~20 s, mostly torch)
-    python scripts/bench_rendezvous.py --out-json rendezvous.json
+    python scripts/bench_rendezvous.py --sizes 256 --torch-max 0       # smoke check (~30 s)
+    python scripts/bench_rendezvous.py --sizes 1024,4096,8192,16384 --torch-max 64 \\
+        --out-json rendezvous.json --plot docs/rendezvous_scale.png
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -24,21 +34,26 @@ import multiprocessing as mp
 import os
 import platform
 import resource
+import signal
+import socket
+import subprocess
 import threading
 import time
 
+import psutil
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from ftlaunch_contract.messages import CONTROL, Assign, Join, StoreReady
-from ftlaunch_contract.protocol import Codec
+from ftlaunch_contract.messages import Assign, Join, Recover, Redirect, Start, StoreReady
 from launcher.control_plane import ControlPlane
-from launcher.coordinator import Coordinator, JobState, bind_router
+from launcher.coordinator import JobState
 
 # TCPStore reverse-resolves each peer; a dropped DNS reply here costs 5 s by default, 1 s so.
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 SECRET = b"bench-rendezvous-secret-0123456789abcdef"
 LOCAL_WORLD = 8
+FDS_PER_AGENT = 12  # DEALER, its monitor pair, the standby ROUTER: sockets and mailboxes
 
 
 def node_id(i):
@@ -46,14 +61,329 @@ def node_id(i):
 
 
 def job_state(n, node_timeout):
-    return JobState(min_nodes=n, max_nodes=n, max_restarts=3, policy="cold", backoff=1.0,
-                    backoff_max=30.0, exit_barrier_timeout=300.0, node_timeout=node_timeout,
-                    last_call=1.0, join_timeout=600.0, host_node="bench")
+    """MAX = N closes the first round; MIN leaves room for the 4 nodes this bench loses."""
+    return JobState(min_nodes=max(1, n - 8), max_nodes=n, max_restarts=100, policy="cold", backoff=0.0,
+                    backoff_max=0.0, exit_barrier_timeout=300.0, node_timeout=node_timeout,
+                    last_call=30.0, join_timeout=600.0, host_node="")
+
+
+def raise_nofile(want):
+    """As many open files as ``want`` (root may raise the hard limit too)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+            return want
+        except (ValueError, OSError):
+            want = hard
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
+    return max(soft, want)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def cpu_seconds():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+# --- the simulated agents ------------------------------------------------------------------
+
+
+class Agents:
+    """Real ControlPlanes for agents ``ids``, driven the way the agent's loop drives its own;
+    ``seen[kind][epoch][i]`` = when agent i first got that kind of message in that epoch."""
+
+    def __init__(self, port, ids, n, addr, node_timeout, interval):
+        self.context = zmq.Context()
+        self.context.set(zmq.MAX_SOCKETS, 8 * len(ids) + 64)
+        self.n, self.interval = n, interval
+        self.planes, self.epoch, self.assign = {}, {}, {}
+        self.silent, self.closed = set(), set()
+        self.seen = {"assign": {}, "start": {}, "recover": {}, "failover": {}}
+        self.last_beat, self.beats = {}, 0
+        self.poller, self.by_socket = zmq.Poller(), {}
+        for i in ids:
+            p = ControlPlane(self.context, SECRET, node_id(i), addr, ("127.0.0.1", port),
+                             lambda: job_state(n, node_timeout), node_timeout, interval)
+            self.planes[i], self.epoch[i] = p, 0
+            for sock in (p.socket, p.monitor):
+                self.poller.register(sock, zmq.POLLIN)
+                self.by_socket[sock] = i
+        me, end = psutil.Process(), time.monotonic() + 120
+        while True:  # every DEALER connected before the clock starts
+            up = sum(1 for c in me.net_connections("tcp") if c.raddr and c.raddr.port == port
+                     and c.status == psutil.CONN_ESTABLISHED)
+            if up >= len(ids):
+                break
+            if time.monotonic() > end:
+                raise TimeoutError(f"{len(ids) - up} agents could not connect")
+            time.sleep(0.1)
+        for sock in [p.monitor for p in self.planes.values()]:  # connected: not news
+            while sock.poll(0):
+                recv_monitor_message(sock)
+
+    def live(self):
+        return [i for i in self.planes if i not in self.silent and i not in self.closed]
+
+    def join(self, i):
+        p = self.planes[i]
+        p.send(Join(node_id=p.node_id, local_world_size=LOCAL_WORLD, addr=p.addr,
+                    rank_hint=-1, standby_port=p.standby_port or 0, replica_port=0, held=(),
+                    restart_count=0), self.epoch[i])
+
+    def note(self, kind, epoch, i, now):
+        self.seen[kind].setdefault(epoch, {}).setdefault(i, now)
+
+    def on_message(self, i, received, now):
+        self.epoch[i] = max(self.epoch[i], received.epoch)
+        msg, p = received.body, self.planes[i]
+        if isinstance(msg, Assign):
+            self.assign[i] = msg
+            self.note("assign", received.epoch, i, now)
+            if msg.group_rank == 0:  # it holds torch's store
+                p.send(StoreReady(master_addr="127.0.0.1", master_port=1), received.epoch)
+        elif isinstance(msg, Start):
+            self.note("start", received.epoch, i, now)
+        elif isinstance(msg, Recover):
+            self.note("recover", received.epoch, i, now)
+            self.join(i)  # a survivor stops its ranks, backs off (0 s here) and re-joins
+        elif isinstance(msg, Redirect):
+            self.join(i)
+
+    def step(self, timeout_ms=10):
+        for sock, _ in self.poller.poll(timeout_ms):
+            i = self.by_socket[sock]
+            if i in self.silent or i in self.closed:
+                continue
+            p = self.planes[i]
+            if sock is p.monitor:
+                p.on_monitor()
+                continue
+            while p.socket.poll(0):
+                received = p.receive()
+                if received is not None:
+                    self.on_message(i, received, time.monotonic())
+        now = time.monotonic()
+        for i in self.live():
+            p = self.planes[i]
+            if now >= p.next_heartbeat:
+                p.heartbeat_if_due(now, self.epoch[i], "running")
+                self.last_beat[i], self.beats = now, self.beats + 1
+            if p.coordinator_lost(now):
+                self.note("failover", self.epoch[i], i, now)
+                a = self.assign[i]
+                if p.fail_over(self.epoch[i], a.restart_count, a.group_world_size) is not None:
+                    self.join(i)
+
+    def spread_heartbeats(self):
+        """Agents start at different moments: their heartbeats are spread over the interval."""
+        now = time.monotonic()
+        for i, p in self.planes.items():
+            p.next_heartbeat = now + self.interval * (i % 1000) / 1000
+
+    def report(self, kind, epoch, exclude=()):
+        """(how many live agents have ``kind`` at ``epoch`` or later, earliest, latest)."""
+        times = []
+        for i in self.live():
+            if i in exclude:
+                continue
+            t = min((seen[i] for e, seen in self.seen[kind].items() if e >= epoch and i in seen),
+                    default=None)
+            times.append(t)
+        got = [t for t in times if t is not None]
+        return len(got), len(times), min(got, default=None), max(got, default=None)
+
+
+def agents_main(conn, port, ids, n, addr, node_timeout, interval, fds):
+    raise_nofile(fds)
+    logging.basicConfig(level=logging.ERROR)
+    try:
+        agents = Agents(port, ids, n, addr, node_timeout, interval)
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", len(ids)))
+    while True:
+        agents.step(5)
+        while conn.poll(0):
+            cmd, *args = conn.recv()
+            if cmd == "join":
+                t = time.monotonic()
+                for i in agents.live():
+                    agents.join(i)
+                agents.spread_heartbeats()
+                conn.send(t)
+            elif cmd == "report":
+                conn.send(agents.report(*args))
+            elif cmd == "beats":
+                conn.send(agents.beats)
+            elif cmd == "silence":  # frozen: no heartbeat, nothing read; its sockets stay open
+                agents.silent.add(args[0])
+                conn.send(agents.last_beat.get(args[0]))
+            elif cmd == "close":  # its process died: the kernel closes its connections
+                p = agents.planes[args[0]]
+                agents.closed.add(args[0])
+                agents.poller.unregister(p.socket)
+                agents.poller.unregister(p.monitor)
+                t = time.monotonic()
+                p.socket.close(linger=0)
+                if p.standby is not None:
+                    p.standby.close(linger=0)
+                conn.send(t)
+            elif cmd == "threads":  # the coordinator's thread, if this process hosts it
+                hosts = [p.coordinator for p in agents.planes.values() if p.hosting]
+                conn.send(hosts[0]._thread.native_id if hosts else None)
+            elif cmd == "epoch":
+                conn.send(max(agents.epoch.values()))
+            elif cmd == "quit":
+                conn.send("bye")
+                os._exit(0)
+
+
+class Job:
+    """N agents over processes: [0] hosts the coordinator, [1] and [2] its successors."""
+
+    def __init__(self, n, procs, node_timeout, interval):
+        self.n, self.port, self.ctx = n, free_port(), mp.get_context("spawn")
+        rest = list(range(3, n))
+        slices = [[0], [1], [2]] + [rest[k::procs] for k in range(procs) if rest[k::procs]]
+        self.owner = {i: k for k, ids in enumerate(slices) for i in ids}
+        self.conns, self.procs = [], []
+        for k, ids in enumerate(slices):
+            here, there = self.ctx.Pipe()
+            proc = self.ctx.Process(target=agents_main, daemon=True, args=(
+                there, self.port, ids, n, f"127.0.{k + 1}.1", node_timeout, interval,
+                FDS_PER_AGENT * len(ids) + 1024))
+            proc.start()
+            self.conns.append(here)
+            self.procs.append(proc)
+            if k == 0:  # the coordinator's host binds the endpoint before anyone connects
+                self._expect(here, "ready")
+        for here in self.conns[1:]:
+            self._expect(here, "ready")
+
+    @staticmethod
+    def _expect(conn, what):
+        if not conn.poll(300):
+            raise TimeoutError(f"no {what}")
+        reply = conn.recv()
+        if reply[0] != what:
+            raise RuntimeError(str(reply))
+
+    def ask(self, *cmd, which=None):
+        which = range(len(self.conns)) if which is None else which
+        for k in which:
+            self.conns[k].send(cmd)
+        return [self.conns[k].recv() for k in which]
+
+    def wait(self, kind, epoch, limit, exclude=(), which=None):
+        """Until every live agent (but ``exclude``) has ``kind`` at ``epoch``+: (first, last)."""
+        end = time.monotonic() + limit
+        while True:
+            reports = self.ask("report", kind, epoch, tuple(exclude), which=which)
+            got, want = sum(r[0] for r in reports), sum(r[1] for r in reports)
+            if got >= want:
+                return (min(r[2] for r in reports if r[2] is not None),
+                        max(r[3] for r in reports if r[3] is not None))
+            if time.monotonic() > end:
+                raise TimeoutError(f"{kind} at epoch {epoch}: {got} of {want} in {limit:g}s")
+            time.sleep(0.05)
+
+    def cpu(self, k):
+        """CPU seconds of process k: all of it, its coordinator thread, ZeroMQ's I/O thread."""
+        pid, tick = self.procs[k].pid, os.sysconf("SC_CLK_TCK")
+        tid = self.ask("threads", which=[k])[0]
+        out = {"process": 0.0, "coordinator_thread": 0.0, "zmq_io": 0.0}
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            with open(f"/proc/{pid}/task/{task}/comm") as f:
+                name = f.read().strip()
+            used = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            out["process"] += used
+            if int(task) == tid:
+                out["coordinator_thread"] += used
+            elif name.startswith("ZMQbg/IO"):
+                out["zmq_io"] += used
+        return out
+
+    def close(self):
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.join(5)
+
+
+def bench_ftlaunch(n, args):
+    """One job of N agents through formation, heartbeats, two node losses and two
+    coordinator losses. Times in seconds."""
+    out = {"n": n, "node_timeout": args.node_timeout, "heartbeat_interval": args.heartbeat_interval}
+    t_setup = time.monotonic()
+    job = Job(n, args.procs, args.node_timeout, args.heartbeat_interval)
+    out["setup_s"] = time.monotonic() - t_setup
+    limit = 60 + n / 100
+    try:
+        cpu0 = job.cpu(0)["process"]
+        t0 = min(job.ask("join"))
+        first, last = job.wait("assign", 1, limit)
+        out["formed_s"], out["first_assign_s"] = last - t0, first - t0
+        out["ready_s"] = job.wait("start", 1, limit)[1] - t0
+        out["coordinator_cpu_forming_s"] = job.cpu(0)["process"] - cpu0
+        # Steady state: everyone heartbeating.
+        time.sleep(2.0)
+        beats0, cpu0, w0 = sum(job.ask("beats")), job.cpu(0), time.monotonic()
+        time.sleep(args.cpu_window)
+        beats1, cpu1, w1 = sum(job.ask("beats")), job.cpu(0), time.monotonic()
+        out["heartbeats_per_s"] = (beats1 - beats0) / (w1 - w0)
+        for key in cpu0:  # the coordinator: its thread and ZeroMQ's I/O thread
+            out[f"cpu_{key}"] = (cpu1[key] - cpu0[key]) / (w1 - w0)
+        out["coordinator_cpu_fraction"] = out["cpu_coordinator_thread"] + out["cpu_zmq_io"]
+        # A silent machine: the last agent stops heartbeating (its connection stays open).
+        epoch = max(job.ask("epoch"))
+        silent = n - 1
+        silenced_at = time.monotonic()
+        last_beat = job.ask("silence", silent, which=[job.owner[silent]])[0]
+        first, last = job.wait("recover", epoch, limit + 2 * args.node_timeout)
+        out["silent_loss_after_last_beat_s"] = last - last_beat
+        out["silent_loss_after_silence_s"] = last - silenced_at
+        out["silent_loss_first_recover_s"] = first - last_beat
+        out["reformed_after_silent_s"] = job.wait("start", epoch + 1, limit)[1] - last
+        # A dead agent process: its connections close.
+        epoch = max(job.ask("epoch"))
+        dead = n - 2
+        closed_at = job.ask("close", dead, which=[job.owner[dead]])[0]
+        first, last = job.wait("recover", epoch, limit)
+        out["dead_loss_s"], out["dead_loss_first_recover_s"] = last - closed_at, first - closed_at
+        out["reformed_after_dead_s"] = job.wait("start", epoch + 1, limit)[1] - last
+        # The coordinator's process dies (SIGKILL agent 0's process): agent 1 takes over.
+        epoch = max(job.ask("epoch"))
+        killed_at = time.monotonic()
+        os.kill(job.procs[0].pid, signal.SIGKILL)
+        survivors = [k for k in range(1, len(job.conns))]
+        out["failover_dead_s"] = job.wait("assign", epoch + 1, limit + args.node_timeout,
+                                          which=survivors)[1] - killed_at
+        out["failover_dead_ready_s"] = job.wait("start", epoch + 1, limit,
+                                                which=survivors)[1] - killed_at
+        # The successor's machine goes silent (SIGSTOP agent 1's process): agent 2 takes over.
+        epoch = max(job.ask("epoch", which=survivors))
+        stopped_at = time.monotonic()
+        os.kill(job.procs[1].pid, signal.SIGSTOP)
+        survivors = survivors[1:]
+        out["failover_silent_s"] = job.wait("assign", epoch + 1, limit + 2 * args.node_timeout,
+                                            which=survivors)[1] - stopped_at
+        out["failover_silent_ready_s"] = job.wait("start", epoch + 1, limit,
+                                                  which=survivors)[1] - stopped_at
+        out["ok"] = True
+    except (TimeoutError, RuntimeError, EOFError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        job.close()
+    return out
 
 
 def in_child(fn, args, limit):
@@ -81,110 +411,6 @@ def _child(conn, fn, args):
         result = {"error": f"{type(e).__name__}: {e}"}
     conn.send(result)
     os._exit(0)  # don't wait for threads stuck in a store call
-
-
-# --- ftlaunch ---------------------------------------------------------------------------------
-
-
-class Swarm:
-    """n DEALER agents on one poller; got[type][agent] = (arrival time, first such message)."""
-
-    def __init__(self, port, n):
-        self.n, self.context = n, zmq.Context()
-        self.context.set(zmq.MAX_SOCKETS, n + 64)
-        self.codecs, self.socks = [Codec(SECRET) for _ in range(n)], []
-        self.poller, writable = zmq.Poller(), zmq.Poller()
-        for _ in range(n):
-            s = self.context.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.IMMEDIATE, 1)  # writable once connected: connect before timing
-            s.connect(f"tcp://127.0.0.1:{port}")
-            self.socks.append(s)
-            self.poller.register(s, zmq.POLLIN)
-            writable.register(s, zmq.POLLOUT)
-        self.index = {s: i for i, s in enumerate(self.socks)}
-        end = time.monotonic() + 60
-        while len(writable.poll(100)) < n:
-            if time.monotonic() > end:
-                raise TimeoutError("agents could not connect")
-        self.got, self.size = {}, {}
-        self.beat_every, self.next_beat, self.silent, self.last_beat = None, 0.0, set(), {}
-
-    def send(self, i, kind, epoch=0, **fields):
-        self.socks[i].send_multipart(self.codecs[i].encode(CONTROL[kind](**fields), epoch))
-
-    def pump(self, done, limit):
-        end = time.monotonic() + limit
-        while not done():
-            now = time.monotonic()
-            if now > end:
-                raise TimeoutError(f"gave up after {limit:g}s")
-            if self.beat_every and now >= self.next_beat:
-                for i in set(range(self.n)) - self.silent:
-                    self.send(i, "heartbeat", node_id=node_id(i), phase="running", ranks=())
-                    self.last_beat[i] = now
-                self.next_beat = now + self.beat_every
-            for sock, _ in self.poller.poll(10):
-                i = self.index[sock]
-                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    frames = sock.recv_multipart()
-                    msg = self.codecs[i].decode(frames)
-                    kind = msg.body.TYPE
-                    self.got.setdefault(kind, {}).setdefault(i, (time.monotonic(), msg))
-                    self.size[kind] = max(self.size.get(kind, 0), len(frames[0]))
-
-    def all_got(self, kind, count=None):
-        return len(self.got.get(kind, {})) >= (count or self.n)
-
-    def times(self, kind, since):
-        return [t - since for t, _ in self.got[kind].values()]
-
-
-def ft_agents(port, n, node_loss, limit):
-    w = Swarm(port, n)
-    w.beat_every = 0.2 if node_loss else None
-    t0, cpu = time.monotonic(), cpu_seconds()
-    for i in range(n):
-        w.send(i, "join", node_id=node_id(i), local_world_size=LOCAL_WORLD, addr="127.0.0.1",
-               rank_hint=-1, standby_port=20000 + i, replica_port=0, held=(),
-               restart_count=0)
-    w.pump(lambda: w.all_got("assign"), limit)
-    assigns = {i: m for i, (_, m) in w.got["assign"].items()}
-    by_rank = {m.body.group_rank: i for i, m in assigns.items()}
-    ok = sorted(by_rank) == list(range(n)) and all(
-        m.body.world_size == LOCAL_WORLD * n and m.body.group_world_size == n
-        for m in assigns.values())
-    w.send(by_rank[0], "store_ready", assigns[by_rank[0]].epoch, master_addr="127.0.0.1",
-           master_port=29500)
-    w.pump(lambda: w.all_got("start"), limit)
-    out = {"rendezvous_s": max(w.times("assign", t0)), "ready_s": max(w.times("start", t0)),
-           "first_assign_s": min(w.times("assign", t0)), "ok": ok,
-           "assign_bytes": w.size["assign"], "agents_cpu_s": cpu_seconds() - cpu}
-    if node_loss:  # a second of steady heartbeats, then the last group rank goes silent
-        calm = time.monotonic() + 1.0
-        w.pump(lambda: time.monotonic() > calm, limit)
-        victim, silenced = by_rank[n - 1], time.monotonic()
-        w.silent.add(victim)
-        w.pump(lambda: w.all_got("recover", n - 1), limit)
-        causes = sorted({m.body.cause for _, m in w.got["recover"].values()})
-        out.update(loss_after_last_beat_s=max(w.times("recover", w.last_beat[victim])),
-                   loss_after_silence_s=max(w.times("recover", silenced)), causes=causes,
-                   loss_ok=victim not in w.got["recover"] and all(
-                       node_id(victim) in c and "lost" in c for c in causes))
-    return out
-
-
-def bench_ftlaunch(n, node_timeout=30.0, node_loss=False, limit=120.0):
-    context = zmq.Context()
-    sock, port = bind_router(context, "127.0.0.1", 0)
-    coordinator = Coordinator(sock, SECRET, job_state(n, node_timeout))
-    coordinator.start()
-    cpu = cpu_seconds()
-    result = in_child(ft_agents, (port, n, node_loss, limit), limit + 60)
-    result["coordinator_cpu_s"] = cpu_seconds() - cpu  # this process only serves meanwhile
-    coordinator.close()
-    context.term()
-    return result
 
 
 # --- torch ------------------------------------------------------------------------------------
@@ -248,117 +474,112 @@ def bench_torch(n, limit, keep_alive):
     return result
 
 
-# --- coordinator failover: 64 real ControlPlanes in this process -----------------------------
-
-
-def bench_failover(n=64, node_timeout=1.0, interval=0.2, limit=30.0):
-    context = zmq.Context()
-    sock, port = bind_router(context, "127.0.0.1", 0)
-    first = Coordinator(sock, SECRET, job_state(n, node_timeout))
-    first.start()
-    planes = {}
-    for i in range(n):
-        p = ControlPlane(context, SECRET, node_id(i), "127.0.0.1", ("127.0.0.1", port),
-                         lambda: job_state(n, node_timeout), node_timeout, interval)
-        planes[p.socket] = p
-    poller, assigns = zmq.Poller(), {}
-    for s in planes:
-        poller.register(s, zmq.POLLIN)
-
-    def join(p):
-        p.send(Join(node_id=p.node_id, local_world_size=LOCAL_WORLD, addr="127.0.0.1",
-                    rank_hint=-1, standby_port=p.standby_port, replica_port=0, held=(),
-                    restart_count=0), 0)
-
-    def run_until(done):  # the agent's loop, as far as the control plane goes
-        end = time.monotonic() + limit
-        while not done() and time.monotonic() < end:
-            for s, _ in poller.poll(10):
-                p, msg = planes[s], planes[s].receive()
-                if msg is not None and isinstance(msg.body, Assign):
-                    assigns[p.node_id] = msg
-                    if msg.body.group_rank == 0:
-                        p.send(StoreReady(master_addr="127.0.0.1", master_port=1), msg.epoch)
-            for p in planes.values():
-                last = assigns.get(p.node_id)
-                p.heartbeat_if_due(time.monotonic(), last.epoch if last else 0)
-                if p.coordinator_lost(time.monotonic()) and p.fail_over(
-                        last.epoch, last.body.restart_count, last.body.group_world_size):
-                    join(p)
-        return done()
-
-    for p in planes.values():
-        join(p)
-    run_until(lambda: len(assigns) == n)
-    epoch, killed = max(m.epoch for m in assigns.values()), time.monotonic()
-    first.close()
-    ok = run_until(lambda: all(m.epoch > epoch for m in assigns.values()))
-    took = time.monotonic() - killed
-    for p in planes.values():
-        p.close()
-    context.term()
-    return {"failover_s": took, "over_node_timeout_s": took - node_timeout, "ok": ok}
-
-
 # --- main -------------------------------------------------------------------------------------
+
+COLUMNS = [("formed_s", "formed s"), ("ready_s", "ready s"),
+           ("coordinator_cpu_fraction", "coordinator CPU, heartbeating (core)"),
+           ("heartbeats_per_s", "heartbeats/s"),
+           ("silent_loss_after_last_beat_s", "silent node: last beat -> all recover s"),
+           ("dead_loss_s", "dead agent: closed -> all recover s"),
+           ("failover_dead_s", "coordinator process dies -> all assigned s"),
+           ("failover_silent_s", "coordinator machine silent -> all assigned s")]
 
 
 def cell(d, key, digits=3):
-    value = d.get(key, d.get("error", "-"))
+    value = d.get(key)
+    if value is None:
+        return d.get("error", "-") if key == "formed_s" else "-"
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def plot(rows, path, node_timeout):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ok = [r["ftlaunch"] for r in rows if "formed_s" in r["ftlaunch"]]
+    ns = [r["n"] for r in ok]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.5))
+    for key, label in [("formed_s", "formed (first join -> all assigned)"),
+                       ("ready_s", "ready (-> all started)"),
+                       ("dead_loss_s", "dead agent -> all recover"),
+                       ("failover_dead_s", "coordinator process dies -> all re-assigned")]:
+        ax1.plot(ns, [r.get(key, float("nan")) for r in ok], "o-", label=label)
+    ax1.set(xlabel="agents N", ylabel="seconds", title="Time against N")
+    ax1.legend(fontsize=8)
+    for key, label in [("silent_loss_after_last_beat_s", "silent node: last beat -> all recover"),
+                       ("failover_silent_s", "coordinator silent -> all re-assigned")]:
+        ax2.plot(ns, [r.get(key, float("nan")) - node_timeout for r in ok], "o-", label=label)
+    ax2.axhline(0.1, color="grey", ls=":", label="target: timeout + 0.1 s")
+    ax2.axhline(0.2, color="grey", ls="--", label="target: timeout + 0.2 s")
+    ax2.set(xlabel="agents N", ylabel=f"seconds beyond --node-timeout ({node_timeout:g} s)",
+            title="Silence: past the node timeout")
+    ax2.legend(fontsize=8)
+    ax3.plot(ns, [100 * r["coordinator_cpu_fraction"] for r in ok], "o-",
+             label="coordinator process, all heartbeating")
+    ax3.plot(ns, [1e6 * r["coordinator_cpu_fraction"] / r["heartbeats_per_s"] for r in ok],
+             "s--", label="µs of CPU per heartbeat")
+    ax3.axhline(10, color="grey", ls=":", label="target: 10 % of a core")
+    ax3.set(xlabel="agents N", ylabel="% of one core  /  µs", title="Coordinator CPU")
+    ax3.legend(fontsize=8)
+    for ax in (ax1, ax2, ax3):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="64,256,1024", help="numbers of agents, comma-separated")
-    p.add_argument("--reps", type=int, default=3, help="ftlaunch runs per size (median shown)")
-    p.add_argument("--torch-max", type=int, default=256, help="largest N tried with torch")
+    p.add_argument("--sizes", default="1024,4096", help="numbers of agents, comma-separated")
+    p.add_argument("--reps", type=int, default=1, help="ftlaunch runs per size (median formed)")
+    p.add_argument("--procs", type=int, default=8, help="processes the swarm is spread over")
+    p.add_argument("--node-timeout", type=float, default=5.0, help="ftlaunch's default")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5, help="ftlaunch's default")
+    p.add_argument("--cpu-window", type=float, default=10.0, help="seconds of heartbeats")
+    p.add_argument("--torch-max", type=int, default=64, help="largest N tried with torch")
     p.add_argument("--torch-timeout", type=float, default=180.0, help="seconds per torch size")
     p.add_argument("--torch-keep-alive", type=int, default=5, help="torch keep_alive_interval "
                    "(default 5 s, torch's; a node silent 3 intervals is evicted)")
-    p.add_argument("--no-liveness", action="store_true", help="skip node loss and failover")
     p.add_argument("--out-json")
+    p.add_argument("--plot", help="PNG of time and CPU against N")
     args = p.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    raise_nofile(FDS_PER_AGENT * 4 + 4096)
     logging.getLogger("ftlaunch").setLevel(logging.ERROR)  # "node ... lost" is expected here
-    rows, liveness = [], {}
-    for n in map(int, args.sizes.split(",")):
-        runs = sorted((bench_ftlaunch(n) for _ in range(args.reps)),
-                      key=lambda r: r.get("rendezvous_s", float("inf")))
-        ft = {**runs[len(runs) // 2], "reps_rendezvous_s": [r.get("rendezvous_s") for r in runs]}
+    rows = []
+    for n in sizes:
+        runs = sorted((bench_ftlaunch(n, args) for _ in range(args.reps)),
+                      key=lambda r: r.get("formed_s", float("inf")))
+        ft = {**runs[len(runs) // 2], "reps_formed_s": [r.get("formed_s") for r in runs]}
         th = bench_torch(n, args.torch_timeout, args.torch_keep_alive) \
             if n <= args.torch_max else {"error": "not run"}
-        ratio = th["rendezvous_s"] / ft["rendezvous_s"] if "rendezvous_s" in th and \
-            "rendezvous_s" in ft else None
-        rows.append({"n": n, "ftlaunch": ft, "torch_c10d": th, "torch_over_ftlaunch": ratio})
-        print(f"N={n}: ftlaunch {ft}\n  torch {th}", flush=True)
-    if not args.no_liveness:
-        liveness = {"node_loss": bench_ftlaunch(64, 1.0, node_loss=True, limit=30.0),
-                    "failover": bench_failover()}
-        print(f"liveness {liveness}", flush=True)
-    print("\n| N | ftlaunch rendezvous s | ftlaunch ready s | torch c10d s | torch / ftlaunch "
-          "| coordinator CPU s | assign bytes | torch compare_set ops |\n|---|---|---|---|---|---|---|---|")
+        rows.append({"n": n, "ftlaunch": ft, "torch_c10d": th})
+        print(f"N={n}: ftlaunch {json.dumps(ft)}\n  torch {th}", flush=True)
+    for n in sorted({n for n in [64] if n <= args.torch_max} - set(sizes)):
+        rows.append({"n": n, "ftlaunch": {}, "torch_c10d": bench_torch(
+            n, args.torch_timeout, args.torch_keep_alive), "torch_only": True})
+        print(f"N={n}: torch {rows[-1]['torch_c10d']}", flush=True)
+    print(f"\n--node-timeout {args.node_timeout:g}, --heartbeat-interval "
+          f"{args.heartbeat_interval:g}, --procs {args.procs}\n")
+    print("| N | " + " | ".join(label for _, label in COLUMNS) + " | torch c10d s |")
+    print("|---" * (len(COLUMNS) + 2) + "|")
     for r in rows:
         ft, th = r["ftlaunch"], r["torch_c10d"]
-        check = "" if ft.get("ok") and th.get("ok", True) else " CHECK FAILED"
-        ratio = f"{r['torch_over_ftlaunch']:.0f}x" if r["torch_over_ftlaunch"] else "-"
-        spread = [x for x in ft["reps_rendezvous_s"] if x is not None]
-        spread = f" [{min(spread):.3f}-{max(spread):.3f}]" if len(spread) > 1 else ""
-        print(f"| {r['n']}{check} | {cell(ft, 'rendezvous_s')}{spread} | {cell(ft, 'ready_s')} "
-              f"| {cell(th, 'rendezvous_s', 2)} | {ratio} | {cell(ft, 'coordinator_cpu_s', 2)} "
-              f"| {cell(ft, 'assign_bytes')} | {th.get('cas_ops', '-')} |")
-    if liveness:
-        loss, fo = liveness["node_loss"], liveness["failover"]
-        print(f"\nnode loss, 64 agents, node_timeout 1 s (ok={loss.get('loss_ok')}): last heartbeat "
-              f"-> every survivor has recover {cell(loss, 'loss_after_last_beat_s')} s")
-        print(f"coordinator failover, 64 agents, node_timeout 1 s (ok={fo.get('ok')}): coordinator "
-              f"closed -> all assigned by the successor {cell(fo, 'failover_s')} s")
+        print(f"| {r['n']} | " + " | ".join(cell(ft, key, 2 if "cpu" in key or "per_s" in key
+                                                   else 3) for key, _ in COLUMNS)
+              + f" | {cell(th, 'rendezvous_s', 2) if 'rendezvous_s' in th else th.get('error')} |")
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": f"{os.cpu_count()} CPUs, {platform.platform()}",
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                     text=True).stdout.strip(),
+            "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+            "args": vars(args)}
+    print(f"\n{meta['date']}  commit {meta['commit']}  {meta['uptime']}")
     if args.out_json:
-        import torch
-        meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                "machine": f"{os.cpu_count()} CPUs, {platform.platform()}",
-                "torch": torch.__version__, "args": vars(args)}
         with open(args.out_json, "w") as f:
-            json.dump({**meta, "rows": rows, **liveness}, f, indent=1)
+            json.dump({**meta, "rows": rows}, f, indent=1)
+    if args.plot:
+        plot([r for r in rows if not r.get("torch_only")], args.plot, args.node_timeout)
 
 
 if __name__ == "__main__":

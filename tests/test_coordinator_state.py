@@ -307,3 +307,32 @@ def test_a_members_closed_connection_is_a_lost_node_at_once():
     assert "b" not in state.group_ranks and state.restart_count == restarts + 1
     recover = [m.body for to, m in socket.sent if m.body.TYPE == "recover"][-1]
     assert recover.cause == "node b lost (its agent's connection closed)"
+
+
+def test_heartbeats_are_acked_a_few_times_per_node_timeout_not_each():
+    """An agent needs a word from the coordinator within its node timeout, not an ack per
+    heartbeat: a large job's heartbeats would cost the coordinator twice as much."""
+    from launcher.coordinator import ACKS_PER_TIMEOUT
+
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    _running(coordinator)
+    state, t = coordinator._state, 10.0
+    before = len(socket.sent)
+    for _ in range(100):  # 10 s of heartbeats every 0.1 s, node_timeout 5 s
+        coordinator._handle(b"b", Envelope(0, CONTROL["heartbeat"](
+            node_id="b", phase="running", ranks=())), t)
+        t += 0.1
+    acks = [m for to, m in socket.sent[before:] if m.body.TYPE == "heartbeat_ack"]
+    assert all(to == b"b" for to, m in socket.sent[before:])
+    assert len(acks) == 2 * ACKS_PER_TIMEOUT
+    assert state.last_seen["b"] == t - 0.1, "every heartbeat still counts as a sign of life"
+
+
+def test_a_large_job_heartbeats_less_often_within_a_third_of_the_node_timeout():
+    from launcher.control_plane import HEARTBEATS_PER_SECOND, heartbeat_interval
+
+    assert heartbeat_interval(0.5, 5.0, 2) == 0.5
+    n = HEARTBEATS_PER_SECOND  # at 0.5 s: twice what the coordinator should hear
+    assert n / heartbeat_interval(0.5, 5.0, n) == HEARTBEATS_PER_SECOND
+    assert heartbeat_interval(0.5, 5.0, 1 << 20) == 5.0 / 3, "never past a third of the timeout"
+    assert heartbeat_interval(2.0, 5.0, 1 << 20) == 2.0, "nor shorter than configured"
