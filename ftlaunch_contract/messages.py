@@ -264,6 +264,17 @@ class Redirect(Body):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Spare(Body):
+    """The job runs on its maximum of nodes: wait as a spare for the next round. Sent on
+    a spare's join and with every round, so that it knows whom to follow should the
+    coordinator's node be lost (as an assign tells the job's nodes)."""
+
+    TYPE = "spare"
+    coordinator_node: str
+    members: Successors
+
+
+@dataclass(frozen=True, kw_only=True)
 class Committed(Body):
     """Every rank's shard of ``step`` is durable (coordinator -> agents -> their ranks)."""
 
@@ -384,8 +395,8 @@ class Resume(Body):
 
 CONTROL: dict[str, type[Body]] = {m.TYPE: m for m in (
     Join, Heartbeat, StoreReady, Failure, Finished, Durable, Replicated, Leave, Unhealthy,
-    HeartbeatAck, Assign, Start, Recover, Stop, Redirect, Committed, InMemory, StatusQuery,
-    JobStatus)}
+    HeartbeatAck, Assign, Start, Recover, Stop, Redirect, Spare, Committed, InMemory,
+    StatusQuery, JobStatus)}
 LOCAL: dict[str, type[Body]] = {m.TYPE: m for m in (
     Hello, Restartable, Beat, Tick, Learned, Section, Parked, ShardDurable, ShardStaged,
     Abort, Resume, Committed)}

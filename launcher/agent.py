@@ -218,6 +218,8 @@ class Agent:
                 self._on_stop(exit_code, reason)
             case messages.Redirect() if self.phase == Phase.JOINING:
                 self._send_join()  # to the coordinator the job now runs under
+            case messages.Spare():
+                pass  # the control plane noted whom to follow; we wait for the next round
 
     def _on_assign(self, msg: messages.Assign) -> None:
         if self.phase != Phase.JOINING:
@@ -523,6 +525,9 @@ class Agent:
         self.events.emit("coordinator_lost", f"coordinator node {lost} lost: following "
                          f"{'this node' if successor == self.plan.node_id else successor} "
                          f"({why})", lost=lost, successor=successor)
+        if self.assignment is None:  # a spare: no ranks to stop, wait under the successor
+            self._send_join()
+            return
         self.recovery = self.recovery or PhaseClock()
         self._stop(Phase.JOINING)
 
@@ -573,7 +578,11 @@ class Agent:
             return
         if self.control.coordinator_lost(now):
             self._follow_coordinator()
-        elif self.assignment is None and now - self.started_at > self.plan.join_timeout:
+        elif self.phase == Phase.JOINING and self.control.redirect_went_silent(now):
+            self.control.back_to_rendezvous()
+            self._send_join()
+        elif self.assignment is None and not self.control.knows_successors \
+                and now - self.started_at > self.plan.join_timeout:  # a spare waits on
             self.events.emit("job_failed", f"no rendezvous within {self.plan.join_timeout:g}s at "
                              f"{self.plan.endpoint}; check --rdzv-endpoint and that the other "
                              "nodes are up", exit_code=exit_codes.JOB_FAILED)

@@ -23,6 +23,7 @@ from ftlaunch_contract.messages import (
     HeartbeatAck,
     RankStates,
     Redirect,
+    Spare,
     Successors,
 )
 from ftlaunch_contract.protocol import Codec, Envelope, ProtocolError
@@ -93,10 +94,12 @@ class ControlPlane:
         self._configured_interval = heartbeat_interval
         self.codec = Codec(secret)
         self.coordinator: Coordinator | None = None
+        self._redirecting: Coordinator | None = None  # see _host
         self.standby: zmq.Socket | None
         self.standby, self.standby_port = bind_router(context, addr, 0)
         self.members: Successors = ()  # by group rank: who would take over the coordinator
         self.coordinator_node = ""
+        self.redirected = False  # we follow a redirect and have not been assigned since
         self._lost: set[str] = set()
         if endpoint is None:  # single node: our own coordinator on a free local port
             self._host(self.standby, self.new_state_for_host())
@@ -137,6 +140,8 @@ class ControlPlane:
         announce = (self._rendezvous, Redirect(coordinator_node=self.node_id, addr=self.addr,
                                                port=self.standby_port)) \
             if takeover and self._rendezvous else None
+        if self.coordinator is not None:  # ours at the endpoint, redirecting: newcomers ask it
+            self._redirecting = self.coordinator
         self.coordinator = Coordinator(sock, self._secret, state, takeover, announce)
         self.coordinator.start()
 
@@ -163,21 +168,34 @@ class ControlPlane:
             log.warning("dropped control message: %s", e)
             return None
         self.last_heard = time.monotonic()
-        if isinstance(received.body, Assign):
+        if isinstance(received.body, (Assign, Spare)):
             self.members = received.body.members
             self.coordinator_node = received.body.coordinator_node
+        if isinstance(received.body, Assign):
             self._interval = heartbeat_interval(self._configured_interval, self._node_timeout,
                                                 received.body.group_world_size)
         elif isinstance(received.body, Redirect):  # the job runs under a successor: go there
-            self._reconnect(received.body.addr, received.body.port)
+            self._reconnect(f"tcp://{received.body.addr}:{received.body.port}")
             self.coordinator_node = received.body.coordinator_node
+            self.redirected = True
         return None if isinstance(received.body, HeartbeatAck) else received
 
-    def _reconnect(self, addr: str, port: int) -> None:
+    def _reconnect(self, endpoint: str) -> None:
         self.socket.disconnect(self._endpoint)
-        self._endpoint = f"tcp://{addr}:{port}"
+        self._endpoint = endpoint
         self.connection_lost = False
         self.socket.connect(self._endpoint)
+
+    def redirect_went_silent(self, now: float) -> bool:
+        """Sent to a successor that never answered: gone too (a redirect can be stale)."""
+        return self.redirected and not self.knows_successors and (
+            self.connection_lost or now - self.last_heard > self._node_timeout)
+
+    def back_to_rendezvous(self) -> None:
+        """Ask at the rendezvous endpoint again: whoever runs the job now is announced there."""
+        self.redirected = False
+        self.last_heard = time.monotonic()
+        self._reconnect(self._rendezvous)
 
     def on_monitor(self) -> None:
         """Connection events of our socket: the coordinator we follow went away, or is
@@ -206,10 +224,17 @@ class ControlPlane:
         self.last_heard = now
         self.next_heartbeat = now
 
+    @property
+    def knows_successors(self) -> bool:
+        """An assign or (a spare's) spare said who would take over the coordinator."""
+        return bool(self.members)
+
     def coordinator_lost(self, now: float) -> bool:
         """Its connection closed, or silent past the node timeout, once we know who would
-        take over."""
-        return not self.hosting and bool(self.members) and (
+        take over. A coordinator we host is not the one we follow once it redirected us (our
+        node came back as the endpoint while the job ran under a successor)."""
+        follows_own = self.hosting and self.coordinator_node in ("", self.node_id)
+        return not follows_own and self.knows_successors and (
             self.connection_lost or now - self.last_heard > self._node_timeout)
 
     def fail_over(self, epoch: int, restart_count: int, group_world_size: int) -> str | None:
@@ -236,7 +261,7 @@ class ControlPlane:
                 state.last_seen[node] = now
             self._host(self.standby, state, takeover=f"coordinator node {self.coordinator_node} lost")
             self.standby = None
-        self._reconnect(entry.addr, entry.standby_port)
+        self._reconnect(f"tcp://{entry.addr}:{entry.standby_port}")
         self.coordinator_node = successor
         self.last_heard = time.monotonic()
         return successor
@@ -251,5 +276,7 @@ class ControlPlane:
         if self.coordinator is not None:
             self.coordinator.wait_handed_over(self._node_timeout)
             self.coordinator.close()
+        if self._redirecting is not None:
+            self._redirecting.close()
         if self.standby is not None:
             self.standby.close(linger=0)

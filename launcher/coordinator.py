@@ -41,11 +41,13 @@ from ftlaunch_contract.messages import (
     Recover,
     Redirect,
     Replicated,
+    Spare,
     Start,
     StatusQuery,
     Stop,
     StoreReady,
     Successor,
+    Successors,
     Unhealthy,
 )
 from ftlaunch_contract.protocol import Codec, Envelope, ProtocolError
@@ -105,6 +107,7 @@ class JobState:
     joining_since: float = field(default_factory=time.monotonic)
     min_reached_at: float | None = None
     group_ranks: dict[str, int] = field(default_factory=dict)  # nodes in the running round
+    successors: Successors = ()  # the running round's nodes that may take over, in order
     finished: set[str] = field(default_factory=set)
     leaving: set[str] = field(default_factory=set)  # stopped by a signal: out at the next round
     first_finished_at: float | None = None
@@ -279,10 +282,11 @@ class Coordinator:
             self._send(identity, Stop(exit_code=s.final[0], reason=s.final[1]))
             return
         if isinstance(msg, Redirect):
-            if not s.group_ranks and s.redirect is None and msg.coordinator_node != s.host_node:
+            if not s.group_ranks and s.redirect != msg:
                 # We never formed a round: the job went on under a successor while our node
                 # was gone (we are a re-created pod 0). Send our agents, and any that come,
-                # there.
+                # there; the latest successor to announce itself wins (the one before may
+                # be gone too; our own node may be it, hosting on its standby socket).
                 log.warning("the job runs under coordinator node %s at %s:%d: redirecting "
                             "agents there", msg.coordinator_node, msg.addr, msg.port)
                 s.redirect = msg
@@ -382,11 +386,12 @@ class Coordinator:
                                   "nodes", s.restart_count, delay=0.0, now=now)
             s.expected.add(node)
             s.round_joined.add(node)
-        elif node not in s.group_ranks and s.phase != RoundPhase.JOINING:
-            log.warning("node %s waits as a spare: the job runs on its maximum of %d nodes",
-                        node, s.max_nodes)
-        # else: a duplicate join from a member (a restarted agent has a new node id), or a
-        # node beyond MAX that waits for the next round: nothing to do now.
+        elif node not in s.group_ranks:
+            if s.phase != RoundPhase.JOINING:
+                log.warning("node %s waits as a spare: the job runs on its maximum of %d nodes",
+                            node, s.max_nodes)
+            self._send(identity, Spare(members=s.successors, coordinator_node=s.host_node))
+        # else: a duplicate join from a member (a restarted agent has a new node id).
 
     def _on_leaving(self, node: str, msg: Leave) -> None:
         """A node stopped by a signal: a pod deleted or evicted, a spot node reclaimed, a
@@ -470,6 +475,7 @@ class Coordinator:
             s.copies = CommitLog(assignments[0].world_size)
         members = tuple(Successor(a.node_id, s.members[a.node_id].addr,
                                   s.standby_ports[a.node_id]) for a in assignments[:SUCCESSORS])
+        s.successors = members
         s.phase = RoundPhase.WAITING_STORE
         replicas = self._replicas(assignments, committed)
         for a in assignments:
@@ -479,6 +485,9 @@ class Coordinator:
                 rank_offset=a.rank_offset, world_size=a.world_size,
                 restart_count=s.restart_count, max_restarts=s.max_restarts, members=members,
                 coordinator_node=s.host_node, replicate_to=replicate_to, fetch=fetch))
+        for node in s.members.keys() - s.group_ranks.keys():  # spares: whom to follow now
+            if node in s.identities:
+                self._send(s.identities[node], Spare(members=members, coordinator_node=s.host_node))
 
     def _replicas(self, assignments: list[membership.Assignment],
                   committed: int) -> dict[str, tuple[Peers, Fetches]]:

@@ -1,6 +1,6 @@
 """The agent's node-local hub: what its ranks tell it through trainer_shim, and its commands.
 
-One ROUTER socket on ``ipc://<private 0700 dir>/hub``. Ranks send hello, heartbeats, section
+One ROUTER socket on ``ipc://<the agent's staging dir>/hub``. Ranks send hello, heartbeats, section
 boundaries and "parked" (left the training function, waiting to resume); the agent sends
 "abort" (leave the training function) and "resume" (re-enter with this environment).
 Heartbeats are one-way: a rank never waits on the agent to train.
@@ -9,8 +9,6 @@ Heartbeats are one-way: a rank never waits on the agent to train.
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,9 +57,11 @@ class HubNews:
 
 
 class RankHub:
-    def __init__(self, context: zmq.Context):
-        self._dir = Path(tempfile.mkdtemp(prefix="ftlaunch-hub-"))  # mode 0700
-        self.endpoint = f"ipc://{self._dir}/hub"
+    def __init__(self, context: zmq.Context, directory: Path):
+        """``directory``: private (0700); the agent's staging directory, so that the socket
+        of an agent that was SIGKILLed goes with it when the next agent sweeps it."""
+        self._path = Path(directory) / "hub"
+        self.endpoint = f"ipc://{self._path}"
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
@@ -188,4 +188,4 @@ class RankHub:
 
     def close(self) -> None:
         self.socket.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._path.unlink(missing_ok=True)

@@ -40,6 +40,7 @@ class RuntimeRecord:
         if coordinator == self._fields["coordinator"]:
             return
         self._fields["coordinator"] = coordinator
+        local_jobs()  # records of agents that were SIGKILLed go now, not only when asked
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")

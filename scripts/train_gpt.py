@@ -6,7 +6,8 @@ killed-and-resumed run end bit-identical to an uninterrupted one, and env-contro
 fault injection (TRAIN_FAULT_RANK / TRAIN_FAULT_STEP / TRAIN_FAULT_KIND: kill, segv, exit,
 exception, stop, hang, spin) that fires only in the first attempt (TORCHELASTIC_RESTART_COUNT
 unset or "0") unless TRAIN_FAULT_EVERY_ATTEMPT is set; TRAIN_STUCK_RANK blocks that rank for
-good at the same step. --shim runs the same training through trainer_shim (and stops at
+good at the same step. TRAIN_CHAOS_DIR (scripts/chaos.py): a file ``rank<r>`` there holds a
+fault kind rank r injects at its next step, in any attempt. --shim runs the same training through trainer_shim (and stops at
 ft.preempted(), saving first); --async-ckpt checkpoints through its AsyncCheckpointer
 (every rank its own state; --persist-every); --cuda puts each rank on its GPU with NCCL.
 
@@ -86,8 +87,22 @@ def log(msg):
     sys.stdout.flush()
 
 
+def chaos_fault(rank):
+    """The fault scripts/chaos.py asks this rank to inject now, if any (taken once)."""
+    path = os.path.join(os.environ["TRAIN_CHAOS_DIR"], f"rank{rank}")
+    try:
+        with open(path) as f:
+            kind = f.read().strip()
+        os.unlink(path)
+    except FileNotFoundError:
+        return None
+    return kind
+
+
 def maybe_inject_fault(rank, step, heartbeat):
     env = os.environ
+    if "TRAIN_CHAOS_DIR" in env and (kind := chaos_fault(rank)):
+        inject(kind, rank, step)
     if env.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and not env.get("TRAIN_FAULT_EVERY_ATTEMPT"):
         return
     if "TRAIN_FAULT_STEP" not in env or step != int(env["TRAIN_FAULT_STEP"]):
@@ -104,7 +119,10 @@ def maybe_inject_fault(rank, step, heartbeat):
         lock.acquire()  # blocks in C: deaf to everything but signals
     if rank != int(env.get("TRAIN_FAULT_RANK", -1)):
         return
-    kind = env.get("TRAIN_FAULT_KIND", "exception")
+    inject(env.get("TRAIN_FAULT_KIND", "exception"), rank, step)
+
+
+def inject(kind, rank, step):
     log(f"injecting fault {kind} rank {rank} step {step}")
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -175,6 +193,8 @@ def parse_args():
                    help="with --async-ckpt: persist steps that are multiples of this, stage all")
     p.add_argument("--step-time", type=float, default=0.0, help="extra sleep per step (s)")
     p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--exact-loss", action="store_true",
+                   help="log each loss exactly (repr), to compare runs step by step")
     p.add_argument("--out", default=None, help="rank 0 writes a JSON summary here")
     p.add_argument("--shim", action="store_true", help="use trainer_shim (restartable, heartbeat)")
     p.add_argument("--cuda", action="store_true", help="one GPU per rank (LOCAL_RANK), NCCL")
@@ -253,7 +273,8 @@ def train(ctx, args, shim):
         opt.step()
         loss_val = loss.item()
         if step % args.log_every == 0:
-            log(f"step {step} loss {loss_val:.4f} rank {rank}")
+            shown = repr(loss_val) if args.exact_loss else f"{loss_val:.4f}"
+            log(f"step {step} loss {shown} rank {rank}")
         heartbeat(step)
         # SIGTERM: save, then leave within the grace period. A collective, so at the same steps
         # everywhere; the first call (first step) arms the handler.

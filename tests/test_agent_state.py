@@ -178,6 +178,7 @@ class FakeControl:
         self.successor: str | None = "n1"
         self.coordinator_node, self.standby_port, self.next_heartbeat = "n0", 4000, 0.0
         self.connection_lost = False
+        self.knows_successors = False
 
     def send(self, msg: Body, epoch: int) -> None:
         self.codec.encode(msg, epoch)  # a well-formed control message
@@ -192,6 +193,9 @@ class FakeControl:
 
     def coordinator_lost(self, now: float) -> bool:
         return self.lost
+
+    def redirect_went_silent(self, now: float) -> bool:
+        return False
 
     def fail_over(self, epoch: int, restart_count: int, group_world_size: int) -> str | None:
         self.lost = False
@@ -324,6 +328,11 @@ class AgentMachine(RuleBasedStateMachine):
                         coordinator_node="n0", replicate_to=(), fetch=())
         else:
             self._order("start", master_addr="127.0.0.1", master_port=29500, restart_count=0)
+
+    @rule()
+    def spare(self):
+        """Told to wait as a spare (whatever the phase): it only learns whom to follow."""
+        self._order("spare", coordinator_node="n0", members=())
 
     @rule(step=st.integers(0, 5))
     def committed(self, step):

@@ -208,7 +208,7 @@ def test_a_checkpoint_step_commits_once_every_rank_holds_it():
     assert log.committed == 20
 
 
-def test_parked_ranks_read_together_are_taken_in_the_order_they_left():
+def test_parked_ranks_read_together_are_taken_in_the_order_they_left(tmp_path):
     """A rank that raised parks before it releases its process group; the peer whose
     collective then fails parks after it. Read in one batch, the first to leave comes
     first (it is the failure), and the highest step either reached counts as progress."""
@@ -220,7 +220,7 @@ def test_parked_ranks_read_together_are_taken_in_the_order_they_left():
     from launcher.rank_hub import RankHub
 
     context = zmq.Context()
-    hub = RankHub(context)
+    hub = RankHub(context, tmp_path)
     try:
         hub.track(1, 0.0)
         hub.track(2, 0.0)

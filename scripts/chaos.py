@@ -1,0 +1,654 @@
+"""Seeded chaos: a deterministic training job under randomized faults, and the invariants after.
+
+One run starts the job (scripts/train_gpt.py through trainer_shim, DDP or FSDP2, on 1-3
+loopback nodes, plus a hot spare when the schedule loses nodes), injects the faults the
+seed draws, one at a time once the job is past the fault's step again, and then checks:
+
+  completes   the job finished (exit 0), or stopped with 1 once the restart budget was spent
+  weights     final weights bitwise equal to the fault-free run's
+  no_lost     no rank resumed before the newest step committed before its fault
+  no_redo     every step's loss, however often trained, equals the fault-free run's
+  untorn      every shard storage lists verifies against its checksum
+  clean       no process, staging memory, socket or runtime file of the run left behind
+  recoveries  every fault that needs one has exactly one recovery, whose cause names it
+
+Faults: kill (SIGKILL a rank), segv, exception (raised in the training loop), stop (SIGSTOP:
+a hang), spin (a GIL-holding hang), writer (SIGKILL a rank right after it staged a save,
+while its writer persists it), node (SIGKILL an agent and its ranks), coordinator (the same,
+of the node hosting the coordinator), sigterm (preemption of every node; the job is started
+again, as a scheduler requeues it). The same seed draws the same schedule.
+
+    python scripts/chaos.py --seed 1 --faults 6                 # one run, 1 node
+    python scripts/chaos.py --seed 1 --faults 6 --nodes 3 --fsdp
+    python scripts/chaos.py --campaign 40 --faults 5 --nodes 2  # 200 faults, a table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "scripts" / "train_gpt.py"
+sys.path.insert(0, str(REPO))
+
+RANK_KINDS = ("kill", "segv", "exception", "stop", "spin", "writer")
+NODE_KINDS = ("node", "coordinator")
+KINDS = (*RANK_KINDS, *NODE_KINDS, "sigterm")
+TAG_VAR = "FTLAUNCH_CHAOS_TAG"
+CKPT_EVERY = 5
+START = re.compile(r"start rank (\d+) world (\d+) pid (\d+) resume_from (\d+)")
+STEP = re.compile(r"step (\d+) loss (\S+) rank (\d+)")
+PREEMPTED = 128 + signal.SIGTERM
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int  # injected once the job trains past this step (again)
+    target: int  # a global rank for rank faults, a node's place for "node"
+
+
+def draw_schedule(seed: int, faults: int, kinds: tuple[str, ...], world: int, nodes: int,
+                  first: int = 12, gap: int = 12) -> list[Fault]:
+    """The faults a seed stands for: kinds that need more nodes than the job has are left out."""
+    rng = random.Random(seed)
+    usable = [k for k in kinds if k not in NODE_KINDS or nodes >= 2]
+    return [Fault(kind, first + i * gap, rng.randrange(nodes if kind == "node" else world))
+            for i, kind in enumerate(rng.choice(usable) for _ in range(faults))]
+
+
+# ---- what a run leaves to check ------------------------------------------------------------
+
+@dataclass
+class Injected:
+    fault: Fault
+    at: float  # time.time() of the injection
+    detail: str = ""  # the pid or node it hit
+
+
+@dataclass
+class Reference:
+    losses: dict[tuple[int, int], str]  # (step, rank) -> exact loss
+    weights: str
+
+
+@dataclass
+class Run:
+    steps: int
+    injected: list[Injected]
+    exit_codes: list[list[int]]  # per start of the job (a requeue starts it again)
+    expected_exit: int
+    out: dict | None
+    losses: list[tuple[float, int, int, str]]  # (time, step, rank, loss) for every step line
+    resumes: list[tuple[float, int, int]]  # (time, rank, resume_from)
+    events: list[dict]  # every node's events, each with "node" (its log dir's name)
+    torn: list[str] = field(default_factory=list)
+    leftovers: list[str] = field(default_factory=list)
+
+
+def needs_recovery(kind: str) -> bool:
+    return kind != "sigterm"
+
+
+def check_completes(run: Run, ref: Reference) -> str | None:
+    *earlier, last = run.exit_codes or [[]]
+    if any(code != PREEMPTED for codes in earlier for code in codes):
+        return f"a preempted start exited {earlier}, not {PREEMPTED} on every node"
+    if not last or any(code != run.expected_exit for code in last):
+        return f"the job's nodes exited {last}, expected {run.expected_exit} on every node"
+    if run.expected_exit == 0 and (run.out or {}).get("final_step") != run.steps:
+        return f"the job reported {run.out}, not step {run.steps}"
+    return None
+
+
+def check_weights(run: Run, ref: Reference) -> str | None:
+    if run.expected_exit != 0:
+        return None  # stopped early by design: nothing to compare
+    got = (run.out or {}).get("weights_sha256")
+    return None if got == ref.weights else f"final weights {got} != fault-free {ref.weights}"
+
+
+def check_no_lost(run: Run, ref: Reference) -> str | None:
+    """A committed step is on storage for every rank: no resume may start before it."""
+    for inj in run.injected:
+        committed = max((e["step"] for e in run.events
+                         if e["event"] == "checkpoint_committed" and e["ts"] < inj.at), default=0)
+        after = [(rank, step) for t, rank, step in run.resumes if t > inj.at]
+        first: dict[int, int] = {}
+        for rank, step in after:
+            first.setdefault(rank, step)
+        lost = {rank: step for rank, step in first.items() if step < committed}
+        if lost:
+            return f"after {inj.fault.kind} at step {inj.fault.step}: ranks resumed at " \
+                   f"{lost}, before the committed step {committed}"
+    return None
+
+
+def check_no_redo(run: Run, ref: Reference) -> str | None:
+    """The loss of a step depends on the weights it started from: equal to the fault-free
+    run's, every time it is trained, or that step ran against other weights."""
+    for _, step, rank, loss in run.losses:
+        want = ref.losses.get((step, rank))
+        if loss != want:
+            return f"step {step} rank {rank}: loss {loss}, the fault-free run's {want}"
+    return None
+
+
+def check_untorn(run: Run, ref: Reference) -> str | None:
+    return f"torn shards: {run.torn}" if run.torn else None
+
+
+def check_clean(run: Run, ref: Reference) -> str | None:
+    return f"left behind: {run.leftovers}" if run.leftovers else None
+
+
+CAUSES = {  # what a recovery's cause says for each fault kind
+    "kill": r"^rank {rank} \(.*\) was killed by SIGKILL$",
+    "writer": r"^rank {rank} \(.*\) was killed by SIGKILL$",
+    "segv": r"^rank {rank} \(.*\) was killed by SIGSEGV",
+    "exception": r"^rank {rank} \(.*\) .*raised RuntimeError: injected fault",
+    "stop": r"^rank {rank} \(.*\) .*hung", "spin": r"^rank {rank} \(.*\) .*hung",
+    "node": r"{node}.*lost", "coordinator": r"{node}.*lost",
+}
+
+
+def recoveries(events: list[dict]) -> list[dict]:
+    """The job's recoveries, once each: every node logs the one the coordinator ordered, and
+    each survivor the loss of the coordinator's node (the successor recovers without a
+    ``recovering`` order: policy "failover" here)."""
+    seen: dict[tuple, dict] = {}
+    for e in sorted(events, key=lambda e: e["ts"]):
+        if e["event"] == "recovering":
+            seen.setdefault((e["restart_count"], e["cause"]), e)
+        elif e["event"] == "coordinator_lost" and e["successor"]:
+            seen.setdefault(("failover", e["lost"]), {
+                "ts": e["ts"], "policy": "failover", "cause": f"coordinator node {e['lost']} lost"})
+    return sorted(seen.values(), key=lambda e: e["ts"])
+
+
+def check_recoveries(run: Run, ref: Reference) -> str | None:
+    found = recoveries(run.events)
+    bounds = [inj.at for inj in run.injected] + [float("inf")]
+    for i, inj in enumerate(run.injected):
+        within = [r for r in found if bounds[i] <= r["ts"] < bounds[i + 1]]
+        if not needs_recovery(inj.fault.kind):
+            if within:
+                return f"{inj.fault.kind} at step {inj.fault.step}: recoveries {within}"
+            continue
+        if len(within) != 1:
+            causes = [r["cause"] for r in within]
+            return f"{inj.fault.kind} at step {inj.fault.step}: {len(within)} recoveries {causes}"
+        pattern = CAUSES[inj.fault.kind].format(rank=inj.fault.target, node=re.escape(inj.detail))
+        if not re.search(pattern, within[0]["cause"]):
+            return f"{inj.fault.kind} of {inj.detail or inj.fault.target}: recovery cause " \
+                   f"{within[0]['cause']!r} does not name it"
+    return None
+
+
+INVARIANTS = {
+    "completes": check_completes, "weights": check_weights, "no_lost": check_no_lost,
+    "no_redo": check_no_redo, "untorn": check_untorn, "clean": check_clean,
+    "recoveries": check_recoveries,
+}
+
+
+def check(run: Run, ref: Reference) -> dict[str, str | None]:
+    """Each invariant -> None when it held, else what broke it."""
+    return {name: fn(run, ref) for name, fn in INVARIANTS.items()}
+
+
+# ---- running it ------------------------------------------------------------------------------
+
+@dataclass
+class Options:
+    seed: int
+    faults: int
+    nodes: int = 1
+    nproc: int = 2
+    fsdp: bool = False
+    kinds: tuple[str, ...] = KINDS
+    budget: int | None = None  # --max-restarts; default: enough for every fault
+    work: Path | None = None
+    verbose: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.nproc
+
+    def schedule(self) -> list[Fault]:
+        return draw_schedule(self.seed, self.faults, self.kinds, self.world, self.nodes)
+
+    def steps(self) -> int:
+        plan = self.schedule()
+        return (plan[-1].step if plan else 0) + 15
+
+    def train_args(self, work: Path) -> list[str]:
+        return [str(TRAIN), "--shim", "--async-ckpt", *(["--fsdp"] if self.fsdp else []),
+                "--steps", str(self.steps()), "--ckpt-every", str(CKPT_EVERY),
+                "--step-time", "0.02", "--log-every", "1", "--exact-loss",
+                "--seed", "0", "--ckpt-dir", str(work / "ckpt"), "--out", str(work / "out.json")]
+
+
+class Lines:
+    """Every line the job's agents print, stamped, with a way to wait for one."""
+
+    def __init__(self, verbose: bool):
+        self.lines: list[tuple[float, int, str]] = []
+        self.cond = threading.Condition()
+        self.verbose = verbose
+
+    def follow(self, proc: subprocess.Popen, node: int, copy: Path) -> None:
+        """Read ``proc``'s output; a stamped copy goes to ``copy`` for the post-mortem."""
+        def read() -> None:
+            with copy.open("w") as f:
+                for line in proc.stdout:
+                    now = time.time()
+                    with self.cond:
+                        self.lines.append((now, node, line.rstrip("\n")))
+                        self.cond.notify_all()
+                    f.write(f"{now:.3f} {line}")
+                    f.flush()
+                    if self.verbose:
+                        sys.stderr.write(f"  n{node} {line}")
+        threading.Thread(target=read, daemon=True).start()
+
+    def wait(self, pattern: str, since: int, timeout: float) -> tuple[int, re.Match]:
+        """The first line from index ``since`` on that matches: (its index, the match)."""
+        regex, deadline = re.compile(pattern), time.monotonic() + timeout
+        with self.cond:
+            while True:
+                for i in range(since, len(self.lines)):
+                    if m := regex.search(self.lines[i][2]):
+                        return i, m
+                since = len(self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no line matching {pattern!r} within {timeout}s")
+                self.cond.wait(left)
+
+
+class Job:
+    """The agents of one chaos run on loopback nodes: the job's nodes and a hot spare."""
+
+    def __init__(self, opts: Options, work: Path, tag: str):
+        self.opts, self.work, self.tag = opts, work, tag
+        self.port = _free_port()
+        self.out = Lines(opts.verbose)
+        self.agents: list[subprocess.Popen] = []  # every agent started, in order
+        self.starts: list[list[subprocess.Popen]] = []  # per start of the job
+        self.killed: set[int] = set()  # agents a fault SIGKILLed: no exit code to check
+        self.env = {**{k: v for k, v in os.environ.items()
+                       if not k.startswith(("FTLAUNCH_", "TRAIN_", "SLURM_", "PET_"))},
+                    TAG_VAR: tag, "PYTHONPATH": str(REPO), "TMPDIR": str(work / "tmp"),
+                    "FTLAUNCH_RUNTIME_DIR": str(work / "runtime"), "FTLAUNCH_LIVE": "0",
+                    "TRAIN_CHAOS_DIR": str(work / "chaos")}
+        for sub in ("tmp", "chaos", "logs"):
+            (work / sub).mkdir(parents=True, exist_ok=True)
+
+    def agent(self) -> subprocess.Popen:
+        n = len(self.agents)
+        cmd = [sys.executable, "-m", "launcher", "--nnodes", f"{self.opts.nodes}:{self.opts.nodes}",
+               "--nproc-per-node", str(self.opts.nproc), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "chaos",
+               "--rdzv-conf", "last_call_timeout=0.5,join_timeout=60",
+               "--node-timeout", "2", "--heartbeat-interval", "0.2", "--hang-timeout", "4",
+               "--max-restarts", str(self.budget()), "--restart-backoff", "0",
+               "--log-dir", str(self.work / "logs" / f"agent{n}"),
+               *self.opts.train_args(self.work)]
+        proc = subprocess.Popen(cmd, cwd=self.work, env=self.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.agents.append(proc)
+        self.out.follow(proc, n, self.work / "logs" / f"agent{n}.out")
+        return proc
+
+    def budget(self) -> int:
+        if self.opts.budget is not None:
+            return self.opts.budget
+        return sum(needs_recovery(f.kind) for f in self.opts.schedule()) + 2
+
+    def needs_spare(self) -> bool:
+        return any(f.kind in NODE_KINDS for f in self.opts.schedule())
+
+    def start(self) -> None:
+        """The job's nodes (the first hosts the coordinator) and, when nodes are lost, a spare."""
+        mark = len(self.out.lines)
+        first = self.agent()
+        _wait_listening(self.port, first)
+        procs = [first] + [self.agent() for _ in range(self.opts.nodes - 1)]
+        if self.needs_spare():
+            procs.append(self.spare(mark))
+        self.starts.append(procs)
+
+    def spare(self, mark: int) -> subprocess.Popen:
+        proc = self.agent()
+        self.out.wait(r"waits as a spare", mark, timeout=120)
+        return proc
+
+    def node_id(self, proc: subprocess.Popen) -> str:
+        return f"{socket.gethostname()}:{proc.pid}"
+
+    def seated(self) -> list[subprocess.Popen]:
+        """The live agents that run ranks, in the order they joined (not the waiting spare)."""
+        with self.out.cond:
+            running = {node for _, node, line in self.out.lines if START.search(line)}
+        return [p for i, p in enumerate(self.agents) if i in running and p.poll() is None]
+
+    def coordinator(self) -> subprocess.Popen:
+        """The agent hosting the coordinator now: the first, or the successor it handed to."""
+        host = self.starts[-1][0]
+        for e in sorted(read_events(self.work), key=lambda e: e["ts"]):
+            if e["event"] == "coordinator_lost" and e["successor"]:
+                host = next((p for p in self.agents if self.node_id(p) == e["successor"]), host)
+        return host
+
+    def rank_pid(self, rank: int) -> int:
+        with self.out.cond:
+            for _, _, line in reversed(self.out.lines):
+                if (m := START.search(line)) and int(m[1]) == rank:
+                    return int(m[3])
+        raise LookupError(f"rank {rank} never started")
+
+    def alive(self) -> list[subprocess.Popen]:
+        return [p for p in self.agents if p.poll() is None]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the first agent exited {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)  # nothing to wait on but the port
+    raise TimeoutError(f"nothing listened on {port} within {timeout}s")
+
+
+def read_events(work: Path) -> list[dict]:
+    from launcher.events import load as read_log
+
+    found = []
+    for path in sorted((work / "logs").rglob("events.jsonl")):
+        node = path.relative_to(work / "logs").parts[0]
+        found += [{**e, "node": node} for e in read_log(path)]
+    return found
+
+
+def inject(job: Job, fault: Fault) -> Injected:
+    """Make the fault happen now (for "writer": at the target's next staged save)."""
+    kind, target = fault.kind, fault.target
+    if kind in ("kill", "segv", "stop"):
+        pid = job.rank_pid(target)
+        sig = {"kill": signal.SIGKILL, "segv": signal.SIGSEGV, "stop": signal.SIGSTOP}[kind]
+        os.kill(pid, sig)
+        return Injected(fault, time.time(), f"pid {pid}")
+    if kind in ("exception", "spin"):
+        (job.work / "chaos" / f"rank{target}").write_text(kind)
+        job.out.wait(rf"injecting fault {kind} rank {target} ", 0, timeout=60)
+        return Injected(fault, time.time(), f"rank {target}")
+    if kind == "writer":
+        pid, since = job.rank_pid(target), time.time()
+        deadline = time.monotonic() + 60
+        while not any(e["event"] == "checkpoint_shard" and e["stage"] == "staged"
+                      and e["rank"] == target and e["ts"] > since for e in read_events(job.work)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {target} staged no save within 60s")
+            time.sleep(0.01)  # a file other processes append to
+        os.kill(pid, signal.SIGKILL)
+        return Injected(fault, time.time(), f"pid {pid}")
+    if kind in NODE_KINDS:
+        seated = job.seated()
+        victim = job.coordinator() if kind == "coordinator" else seated[target % len(seated)]
+        os.killpg(victim.pid, signal.SIGKILL)  # the agent and its ranks: the node is gone
+        victim.wait()
+        job.killed.add(victim.pid)
+        return Injected(fault, time.time(), job.node_id(victim))
+    if kind == "sigterm":
+        at = time.time()
+        for proc in job.alive():
+            proc.send_signal(signal.SIGTERM)
+        return Injected(fault, at, "every node")
+    raise ValueError(f"unknown fault kind {kind!r}")
+
+
+def wait_recovered(job: Job, injected: Injected, timeout: float = 120) -> None:
+    """Block until the fault's recovery is over: ranks back (a new spare for a lost node);
+    after a preemption, the job started again."""
+    kind = injected.fault.kind
+    if kind == "sigterm":
+        codes = [p.wait(timeout=timeout) for p in job.starts[-1]]
+        del codes
+        job.start()
+        return
+    deadline = time.monotonic() + timeout
+    while not any(e["event"] == "recovered" and e["ts"] > injected.at
+                  for e in read_events(job.work)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no recovery from {kind} within {timeout}s")
+        if not job.alive():
+            return  # the budget is spent: the job ended
+        time.sleep(0.05)  # the agents' event files
+    if kind in NODE_KINDS:
+        job.starts[-1].append(job.spare(len(job.out.lines)))
+
+
+def run_job(opts: Options, work: Path) -> Run:
+    tag = uuid.uuid4().hex
+    job = Job(opts, work, tag)
+    plan = opts.schedule()
+    injected: list[Injected] = []
+    job.start()
+    mark = 0
+    try:
+        for fault in plan:
+            try:
+                mark, _ = job.out.wait(rf"step (?:{_at_least(fault.step)}) loss ", mark,
+                                       timeout=180)
+            except TimeoutError:
+                if not job.alive():
+                    break  # the job ended (the budget spent)
+                raise
+            injected.append(inject(job, fault))
+            wait_recovered(job, injected[-1])
+            mark = len(job.out.lines)
+        for proc in job.alive():
+            proc.wait(timeout=300)
+    finally:
+        for proc in job.alive():
+            os.killpg(proc.pid, signal.SIGKILL)
+    recovering = sum(needs_recovery(f.kind) for f in plan)
+    expected = 1 if opts.budget is not None and recovering > opts.budget else 0
+    return collect(job, opts, injected, expected)
+
+
+def _at_least(step: int) -> str:
+    """A regex alternation of the step numbers from ``step`` up to step + 999."""
+    return "|".join(str(s) for s in range(step, step + 1000))
+
+
+def collect(job: Job, opts: Options, injected: list[Injected], expected: int) -> Run:
+    losses, resumes = [], []
+    for t, _, line in job.out.lines:
+        if m := STEP.search(line):
+            losses.append((t, int(m[1]), int(m[3]), m[2]))
+        elif m := START.search(line):
+            resumes.append((t, int(m[1]), int(m[4])))
+    out_path = job.work / "out.json"
+    return Run(
+        steps=opts.steps(), injected=injected, expected_exit=expected,
+        exit_codes=[[p.returncode for p in procs if p.pid not in job.killed]
+                    for procs in job.starts],
+        out=json.loads(out_path.read_text()) if out_path.exists() else None,
+        losses=losses, resumes=resumes, events=read_events(job.work),
+        torn=torn_shards(job.work / "ckpt"), leftovers=leftovers(job))
+
+
+def torn_shards(ckpt: Path) -> list[str]:
+    from ftlaunch_contract import shards
+    from ftlaunch_contract.storage import open_storage
+
+    if not ckpt.exists():
+        return []
+    storage, torn = open_storage(ckpt), []
+    for step, ranks in sorted(shards.listing(storage).items()):
+        for rank in sorted(ranks):
+            try:
+                shards.read(storage, step, rank)
+            except shards.ShardError as e:
+                torn.append(str(e))
+    return torn
+
+
+def leftovers(job: Job, timeout: float = 10) -> list[str]:
+    """What the run's processes left: themselves, staging memory, hub sockets, records."""
+    deadline, procs = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        procs = _tagged(job.tag)
+        if not procs:
+            break
+        psutil.wait_procs(procs, timeout=0.5)
+    left = [f"process {p.pid} {' '.join(p.cmdline()[:4])}" for p in procs]
+    pids = {p.pid for p in job.agents}
+    left += [str(p) for p in Path("/dev/shm").glob("ftlaunch-staging-*")
+             if int(p.name.split("-")[2]) in pids]
+    left += [str(p) for sub in ("tmp", "runtime") for p in (job.work / sub).glob("*")
+             if not p.name.startswith("torchinductor_")]  # torch's compile cache, not ours
+    return left
+
+
+def _tagged(tag: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(TAG_VAR) == tag and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+_references: dict[tuple, Reference] = {}
+
+
+def reference(opts: Options) -> Reference:
+    """The fault-free run of the same job (every rank on one node: the same global ranks)."""
+    key = (opts.world, opts.fsdp, opts.steps())
+    if key not in _references:
+        work = Path(tempfile.mkdtemp(prefix="chaos-ref-"))
+        cmd = [sys.executable, "-m", "launcher", "--standalone", "--nproc-per-node",
+               str(opts.world), "--log-dir", str(work / "logs"), *opts.train_args(work)]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "FTLAUNCH_LIVE": "0"}
+        done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True,
+                              timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"the fault-free run failed:\n{done.stdout}{done.stderr}")
+        losses = {(int(m[1]), int(m[3])): m[2] for m in STEP.finditer(done.stdout)}
+        weights = json.loads((work / "out.json").read_text())["weights_sha256"]
+        _references[key] = Reference(losses, weights)
+        shutil.rmtree(work, ignore_errors=True)
+    return _references[key]
+
+
+def one_run(opts: Options) -> tuple[Run, dict[str, str | None]]:
+    ref = reference(opts)
+    work = opts.work or Path(tempfile.mkdtemp(prefix=f"chaos-{opts.seed}-"))
+    run = run_job(opts, work)
+    return run, check(run, ref)
+
+
+def report(opts: Options, run: Run, verdict: dict[str, str | None]) -> None:
+    kinds = " ".join(f"{i.fault.kind}@{i.fault.step}" for i in run.injected)
+    print(f"chaos seed {opts.seed}: {opts.nodes} node(s) x {opts.nproc} ranks"
+          f"{' fsdp' if opts.fsdp else ''}, faults: {kinds or 'none'}")
+    for name, problem in verdict.items():
+        print(f"  {'ok  ' if problem is None else 'FAIL'} {name}" + (f": {problem}" if problem else ""))
+
+
+def campaign_table(runs: list[tuple[Options, Run, dict]]) -> str:
+    """Faults by kind, recoveries by policy, recovery times and lost steps, as markdown."""
+    by_kind: dict[str, int] = {}
+    policies: dict[str, int] = {}
+    seconds, lost, failed = [], 0, 0
+    for _, run, verdict in runs:
+        failed += any(v is not None for v in verdict.values())
+        for inj in run.injected:
+            by_kind[inj.fault.kind] = by_kind.get(inj.fault.kind, 0) + 1
+        for r in recoveries(run.events):
+            policies[r["policy"]] = policies.get(r["policy"], 0) + 1
+        done = {}
+        for e in run.events:
+            if e["event"] == "recovered":
+                done.setdefault(e["restart_count"], e["seconds"])
+        seconds += list(done.values())
+        for inj in run.injected:  # steps trained before the fault and again after it
+            back = [step for t, _, step in run.resumes if t > inj.at]
+            reached = max((s for t, s, _, _ in run.losses if t < inj.at), default=0)
+            if back:
+                lost += max(0, reached - min(back))
+    seconds.sort()
+    p95 = seconds[min(len(seconds) - 1, int(0.95 * len(seconds)))] if seconds else 0.0
+    lines = ["| runs | faults | runs with a broken invariant | recoveries by policy | "
+             "recovery median / p95 (s) | steps re-trained |", "|---|---|---|---|---|---|",
+             f"| {len(runs)} | {sum(by_kind.values())} | {failed} | "
+             f"{', '.join(f'{k} {v}' for k, v in sorted(policies.items()))} | "
+             f"{statistics.median(seconds) if seconds else 0:.2f} / {p95:.2f} | {lost} |",
+             "", "| fault | injected |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in sorted(by_kind.items())]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--faults", type=int, default=5)
+    p.add_argument("--nodes", type=int, default=1, choices=(1, 2, 3))
+    p.add_argument("--nproc", type=int, default=2, help="ranks per node")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP")
+    p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds to draw from")
+    p.add_argument("--budget", type=int, default=None, help="--max-restarts (default: enough)")
+    p.add_argument("--campaign", type=int, default=0,
+                   help="this many runs, seeds from --seed on; prints a table")
+    p.add_argument("--work", type=Path, default=None, help="the run's directory (kept)")
+    p.add_argument("--verbose", action="store_true", help="echo the job's output")
+    args = p.parse_args(argv)
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if unknown := set(kinds) - set(KINDS):
+        p.error(f"unknown fault kinds {sorted(unknown)}: choose from {','.join(KINDS)}")
+    runs = []
+    for seed in range(args.seed, args.seed + max(1, args.campaign)):
+        opts = Options(seed, args.faults, args.nodes, args.nproc, args.fsdp, kinds, args.budget,
+                       args.work if not args.campaign else None, args.verbose)
+        run, verdict = one_run(opts)
+        report(opts, run, verdict)
+        runs.append((opts, run, verdict))
+    if args.campaign:
+        print(campaign_table(runs))
+    return 0 if all(v is None for _, _, verdict in runs for v in verdict.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
