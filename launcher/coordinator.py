@@ -51,12 +51,13 @@ from ftlaunch_contract.messages import (
     Unhealthy,
 )
 from ftlaunch_contract.protocol import Codec, Envelope, ProtocolError
-from launcher import exit_codes, membership, recovery, replica_plan
+from launcher import exit_codes, failures, membership, recovery, replica_plan
 from launcher.commits import CommitLog
 
 log = logging.getLogger("ftlaunch.coordinator")
 
 TICK_SECONDS = 0.05
+PEER_ERROR_GRACE = 0.5  # seconds a peer error waits for the failure that caused it
 ACKS_PER_TIMEOUT = 4
 """A node's heartbeats are acked at most this often per node_timeout (it heartbeats far more
 often: one ack per heartbeat would double the coordinator's work for nothing)."""
@@ -108,6 +109,7 @@ class JobState:
     min_reached_at: float | None = None
     group_ranks: dict[str, int] = field(default_factory=dict)  # nodes in the running round
     successors: Successors = ()  # the running round's nodes that may take over, in order
+    peer_error: tuple[str, int, float] | None = None  # (cause, step, until): see Failure
     finished: set[str] = field(default_factory=set)
     leaving: set[str] = field(default_factory=set)  # stopped by a signal: out at the next round
     first_finished_at: float | None = None
@@ -343,8 +345,11 @@ class Coordinator:
                                             master_port=msg.master_port,
                                             restart_count=s.restart_count))
             case Failure() if s.phase == RoundPhase.RUNNING:
-                self._recover_from(f"rank {msg.rank} (node {node}) {msg.cause}", now,
-                                   step=msg.step)
+                cause = f"rank {msg.rank} (node {node}) {msg.cause}"
+                if failures.is_peer_error(msg.cause):  # the rank that died under it may follow
+                    s.peer_error = s.peer_error or (cause, msg.step, now + PEER_ERROR_GRACE)
+                else:
+                    self._recover_from(cause, now, step=msg.step)
             case Finished() if s.phase == RoundPhase.RUNNING:
                 s.finished.add(node)
                 s.first_finished_at = s.first_finished_at or now
@@ -439,6 +444,7 @@ class Coordinator:
     def _start_new_round(self, cause: str, restart_count: int, delay: float, now: float) -> None:
         s = self._state
         s.restart_count, s.last_cause = restart_count, cause
+        s.peer_error = None
         self._forget_leaving()
         s.expected = set(s.group_ranks)
         s.expected_count = max(s.expected_count, len(s.expected))
@@ -567,6 +573,8 @@ class Coordinator:
                          f"rendezvous timed out: {len(s.round_joined)} of at least "
                          f"{s.min_nodes} nodes joined within {s.join_timeout:g}s; start the "
                          "missing nodes or raise --rdzv-conf join_timeout")
+        if s.phase == RoundPhase.RUNNING and s.peer_error and now >= s.peer_error[2]:
+            self._recover_from(s.peer_error[0], now, step=s.peer_error[1])  # no other came
         if (s.phase == RoundPhase.RUNNING and s.first_finished_at is not None
                 and now - s.first_finished_at > s.exit_barrier_timeout):
             missing = sorted(set(s.group_ranks) - s.finished)

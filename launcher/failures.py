@@ -80,3 +80,15 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+PEER_ERRORS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+               "gloo/transport", "remote process exited", "NCCL communicator was aborted",
+               "ProcessGroupNCCL's watchdog")
+"""What a rank raises when another rank died under it: the failure is the other's."""
+
+
+def is_peer_error(cause: str) -> bool:
+    """Whether a failure's cause reads as a consequence of a peer's failure (a collective's
+    connection reset), which a primary failure arriving just after it should name instead."""
+    return any(text in cause for text in PEER_ERRORS)

@@ -165,7 +165,8 @@ CAUSES = {  # what a recovery's cause says for each fault kind
     "writer": r"^rank {rank} \(.*\) was killed by SIGKILL$",
     "segv": r"^rank {rank} \(.*\) was killed by SIGSEGV",
     "exception": r"^rank {rank} \(.*\) .*raised RuntimeError: injected fault",
-    "stop": r"^rank {rank} \(.*\) .*hung", "spin": r"^rank {rank} \(.*\) .*hung",
+    # A hung rank stops its peers at their next collective: any of them may be found first.
+    "stop": r"^rank \d+ \(.*\) .*hung", "spin": r"^rank \d+ \(.*\) .*hung",
     "node": r"{node}.*lost", "coordinator": r"{node}.*lost",
 }
 
@@ -399,36 +400,37 @@ def read_events(work: Path) -> list[dict]:
 
 
 def inject(job: Job, fault: Fault) -> Injected:
-    """Make the fault happen now (for "writer": at the target's next staged save)."""
-    kind, target = fault.kind, fault.target
+    """Make the fault happen now (for "writer": at the target's next staged save). Its time
+    is taken before: the job may act on it before the call that makes it returns."""
+    kind, target, at = fault.kind, fault.target, time.time()
     if kind in ("kill", "segv", "stop"):
         pid = job.rank_pid(target)
         sig = {"kill": signal.SIGKILL, "segv": signal.SIGSEGV, "stop": signal.SIGSTOP}[kind]
         os.kill(pid, sig)
-        return Injected(fault, time.time(), f"pid {pid}")
+        return Injected(fault, at, f"pid {pid}")
     if kind in ("exception", "spin"):
         (job.work / "chaos" / f"rank{target}").write_text(kind)
         job.out.wait(rf"injecting fault {kind} rank {target} ", 0, timeout=60)
-        return Injected(fault, time.time(), f"rank {target}")
+        return Injected(fault, at, f"rank {target}")
     if kind == "writer":
-        pid, since = job.rank_pid(target), time.time()
+        pid = job.rank_pid(target)
         deadline = time.monotonic() + 60
         while not any(e["event"] == "checkpoint_shard" and e["stage"] == "staged"
-                      and e["rank"] == target and e["ts"] > since for e in read_events(job.work)):
+                      and e["rank"] == target and e["ts"] > at for e in read_events(job.work)):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {target} staged no save within 60s")
             time.sleep(0.01)  # a file other processes append to
+        at = time.time()
         os.kill(pid, signal.SIGKILL)
-        return Injected(fault, time.time(), f"pid {pid}")
+        return Injected(fault, at, f"pid {pid}")
     if kind in NODE_KINDS:
         seated = job.seated()
         victim = job.coordinator() if kind == "coordinator" else seated[target % len(seated)]
+        job.killed.add(victim.pid)
         os.killpg(victim.pid, signal.SIGKILL)  # the agent and its ranks: the node is gone
         victim.wait()
-        job.killed.add(victim.pid)
-        return Injected(fault, time.time(), job.node_id(victim))
+        return Injected(fault, at, job.node_id(victim))
     if kind == "sigterm":
-        at = time.time()
         for proc in job.alive():
             proc.send_signal(signal.SIGTERM)
         return Injected(fault, at, "every node")

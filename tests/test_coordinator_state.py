@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from ftlaunch_contract.messages import CONTROL, Assign, Held
 from ftlaunch_contract.protocol import Codec, Envelope
+from launcher import coordinator as coordinator_module
 from launcher.coordinator import Coordinator, JobState
 
 SECRET = b"k" * 32
@@ -64,10 +65,12 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def store_ready(self):
         self._deliver("n0", "store_ready", master_addr="10.0.0.1", master_port=29500)
 
-    @rule(node=st.sampled_from(NODES), stale=st.booleans(), step=st.integers(-1, 3))
-    def failure(self, node, stale, step):
+    @rule(node=st.sampled_from(NODES), stale=st.booleans(), step=st.integers(-1, 3),
+          cause=st.sampled_from(["boom", "raised RuntimeError: Connection reset by peer"]))
+    def failure(self, node, stale, step, cause="boom"):
+        """A cause that reads as a peer's error waits a grace for the failure behind it."""
         self._deliver(node, "failure", epoch=self.state.epoch - stale, node_id=node, rank=0,
-                      local_rank=0, exit_code=1, signal="", cause="boom", step=step)
+                      local_rank=0, exit_code=1, signal="", cause=cause, step=step)
 
     @rule(node=st.sampled_from(NODES))
     def finished(self, node):
@@ -336,3 +339,45 @@ def test_a_large_job_heartbeats_less_often_within_a_third_of_the_node_timeout():
     assert n / heartbeat_interval(0.5, 5.0, n) == HEARTBEATS_PER_SECOND
     assert heartbeat_interval(0.5, 5.0, 1 << 20) == 5.0 / 3, "never past a third of the timeout"
     assert heartbeat_interval(2.0, 5.0, 1 << 20) == 2.0, "nor shorter than configured"
+
+
+def _running_pair() -> tuple[Coordinator, CapturingSocket]:
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    coordinator._handle(b"a", Envelope(1, CONTROL["store_ready"](master_addr="10.0.0.1",
+                                                                 master_port=29500)), 1.3)
+    assert coordinator._state.phase == "running"
+    return coordinator, socket
+
+
+def _fail(coordinator, node: str, rank: int, cause: str, now: float) -> None:
+    coordinator._handle(node.encode(), Envelope(1, CONTROL["failure"](
+        node_id=node, rank=rank, local_rank=0, exit_code=None, signal="", cause=cause,
+        step=30)), now)
+
+
+def _recover_causes(socket) -> list[str]:
+    return sorted({m.body.cause for _, m in socket.sent if m.body.TYPE == "recover"})
+
+
+PEER_ERROR = "exited with code None: raised RuntimeError: [gloo/transport/tcp/pair.cc:537] " \
+             "Read error [127.0.0.1]:21169: Connection reset by peer"
+
+
+def test_a_recovery_names_the_rank_that_died_not_the_peer_that_lost_its_connection():
+    """A rank killed on one node resets its peers' collective connections: their node may
+    report first, but the cause is the dead rank."""
+    coordinator, socket = _running_pair()
+    _fail(coordinator, "b", 1, PEER_ERROR, 2.0)
+    coordinator._tick(2.1)
+    assert coordinator._state.phase == "running"  # waits for the failure that caused it
+    _fail(coordinator, "a", 0, "was killed by SIGSEGV", 2.2)
+    assert _recover_causes(socket) == ["rank 0 (node a) was killed by SIGSEGV"]
+
+
+def test_a_peer_error_alone_is_recovered_from_after_a_short_grace():
+    coordinator, socket = _running_pair()
+    _fail(coordinator, "b", 1, PEER_ERROR, 2.0)
+    coordinator._tick(2.0 + coordinator_module.PEER_ERROR_GRACE / 2)
+    assert _recover_causes(socket) == []
+    coordinator._tick(2.0 + coordinator_module.PEER_ERROR_GRACE)
+    assert _recover_causes(socket) == [f"rank 1 (node b) {PEER_ERROR}"]

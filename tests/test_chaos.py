@@ -1,0 +1,152 @@
+"""The chaos runner (scripts/chaos.py): its schedule, each invariant failing on a doctored
+run, and a small seeded campaign against the real launcher."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+from conftest import ROOT, SCRIPTS
+
+sys.path.insert(0, str(SCRIPTS))
+import chaos  # noqa: E402
+
+from ftlaunch_contract import shards  # noqa: E402
+from ftlaunch_contract.storage import open_storage  # noqa: E402
+
+T0 = 1000.0
+
+
+def test_a_seed_draws_the_same_schedule_and_one_node_draws_no_node_loss():
+    assert chaos.draw_schedule(7, 6, chaos.KINDS, 4, 2) == chaos.draw_schedule(7, 6, chaos.KINDS, 4, 2)
+    assert chaos.draw_schedule(7, 6, chaos.KINDS, 4, 2) != chaos.draw_schedule(8, 6, chaos.KINDS, 4, 2)
+    single = chaos.draw_schedule(3, 40, chaos.KINDS, 2, 1)
+    assert not {f.kind for f in single} & set(chaos.NODE_KINDS)
+    assert all(0 <= f.target < 2 for f in single)
+    assert [f.step for f in single] == sorted({f.step for f in single})  # one at a time
+
+
+def good_run() -> tuple[chaos.Run, chaos.Reference]:
+    """Two ranks, 20 steps, a kill of rank 1 at step 12 after step 10 was committed; it
+    resumed at 10 and trained 11, 12 again with the same losses."""
+    losses = {(step, rank): repr(5.0 - step / 100 - rank / 1000)
+              for step in range(1, 21) for rank in (0, 1)}
+    ref = chaos.Reference(losses=losses, weights="w")
+    seen = [(T0 + step, step, rank, losses[step, rank]) for step in range(1, 13) for rank in (0, 1)]
+    seen += [(T0 + 20 + step, step, rank, losses[step, rank])
+             for step in range(11, 21) for rank in (0, 1)]
+    fault = chaos.Fault("kill", 12, 1)
+    events = [
+        {"ts": T0 + 10.5, "event": "checkpoint_committed", "step": 10},
+        {"ts": T0 + 12.1, "event": "recovering", "restart_count": 1, "policy": "rank",
+         "cause": "rank 1 (node vm:1) was killed by SIGKILL"},
+        {"ts": T0 + 12.2, "event": "recovered", "restart_count": 1, "seconds": 0.1},
+    ]
+    run = chaos.Run(steps=20, injected=[chaos.Injected(fault, T0 + 12.05, "pid 9")],
+                    exit_codes=[[0]], expected_exit=0,
+                    out={"final_step": 20, "weights_sha256": "w"}, losses=seen,
+                    resumes=[(T0, 0, 0), (T0, 1, 0), (T0 + 20, 0, 10), (T0 + 20, 1, 10)],
+                    events=events)
+    return run, ref
+
+
+def test_a_good_run_holds_every_invariant():
+    run, ref = good_run()
+    assert chaos.check(run, ref) == dict.fromkeys(chaos.INVARIANTS)
+
+
+def doctored(**changes) -> dict:
+    run, ref = good_run()
+    return chaos.check(dataclasses.replace(run, **changes), ref)
+
+
+def broken(verdict: dict) -> set[str]:
+    return {name for name, problem in verdict.items() if problem is not None}
+
+
+def test_completes_fails_when_a_node_exits_non_zero_or_the_job_stops_short():
+    assert broken(doctored(exit_codes=[[0, 1]])) == {"completes"}
+    assert broken(doctored(exit_codes=[[0], [0]])) == {"completes"}  # a preemption exited 0
+    assert "completes" in broken(doctored(out={"final_step": 19, "weights_sha256": "w"}))
+
+
+def test_weights_fails_when_the_final_weights_differ():
+    assert broken(doctored(out={"final_step": 20, "weights_sha256": "other"})) == {"weights"}
+
+
+def test_no_lost_fails_when_a_rank_resumes_before_the_committed_step():
+    run, _ = good_run()
+    resumes = [*run.resumes[:3], (T0 + 20, 1, 5)]
+    assert broken(doctored(resumes=resumes)) == {"no_lost"}
+
+
+def test_no_redo_fails_when_a_step_is_trained_against_other_weights():
+    run, _ = good_run()
+    t, step, rank, _ = run.losses[-3]
+    losses = [*run.losses[:-3], (t, step, rank, "4.2"), *run.losses[-2:]]
+    assert broken(doctored(losses=losses)) == {"no_redo"}
+
+
+def test_untorn_finds_a_shard_whose_bytes_do_not_match_its_checksum(tmp_path):
+    storage = open_storage(tmp_path)
+    data = bytearray(os.urandom(1 << 16))
+    for step in (5, 10):
+        shards.persist(storage, {"rank": 0, "step": step, "world_size": 1, "nbytes": len(data)},
+                       memoryview(data))
+    assert chaos.torn_shards(tmp_path) == []
+    path = tmp_path / shards.data_name(10, 0)
+    torn = bytearray(path.read_bytes())
+    torn[100] ^= 0xFF
+    path.write_bytes(torn)
+    (problem,) = chaos.torn_shards(tmp_path)
+    assert "step 10" in problem and "checksum" in problem
+    assert broken(doctored(torn=[problem])) == {"untorn"}
+
+
+def test_clean_finds_what_the_run_left_behind(tmp_path):
+    job = types.SimpleNamespace(tag="no-such-tag", agents=[], work=tmp_path)
+    for sub in ("tmp", "runtime"):
+        (tmp_path / sub).mkdir()
+    (tmp_path / "tmp" / "torchinductor_root").mkdir()  # torch's cache: not ours
+    assert chaos.leftovers(job, timeout=0.1) == []
+    (tmp_path / "runtime" / "chaos.123.json").write_text("{}")
+    assert chaos.leftovers(job, timeout=0.1) == [str(tmp_path / "runtime" / "chaos.123.json")]
+    assert broken(doctored(leftovers=["process 1"])) == {"clean"}
+
+
+def test_recoveries_fails_on_none_two_or_one_that_names_another_cause():
+    run, _ = good_run()
+    without = [e for e in run.events if e["event"] != "recovering"]
+    assert broken(doctored(events=without)) == {"recoveries"}
+    twice = [*run.events, {"ts": T0 + 13, "event": "recovering", "restart_count": 2,
+                           "policy": "job", "cause": "rank 0 (node vm:1) was killed by SIGKILL"}]
+    assert broken(doctored(events=twice)) == {"recoveries"}
+    other = [{**e, "cause": "rank 1 (node vm:1) was killed by SIGSEGV"}
+             if e["event"] == "recovering" else e for e in run.events]
+    assert broken(doctored(events=other)) == {"recoveries"}
+
+
+def test_a_coordinator_loss_counts_once_however_many_survivors_log_it():
+    events = [{"ts": T0 + 1, "event": "coordinator_lost", "lost": "vm:1", "successor": "vm:2"},
+              {"ts": T0 + 1.01, "event": "coordinator_lost", "lost": "vm:1", "successor": "vm:2"},
+              {"ts": T0 + 5, "event": "coordinator_lost", "lost": "vm:2", "successor": ""}]
+    (only,) = chaos.recoveries(events)
+    assert only["policy"] == "failover" and "vm:1" in only["cause"]
+
+
+@pytest.mark.parametrize("args", [
+    ["--seed", "3", "--faults", "4", "--nodes", "2", "--nproc", "1",
+     "--kinds", "kill,segv,exception,spin,writer,node,coordinator,sigterm"],
+], ids=["two-nodes"])
+def test_a_seeded_campaign_holds_every_invariant(tmp_path, args):
+    """The real thing: the runner's job under ftlaunch with faults of most kinds drawn by
+    a fixed seed; it exits 0 only if every invariant held."""
+    done = subprocess.run([sys.executable, str(SCRIPTS / "chaos.py"), *args,
+                           "--work", str(tmp_path / "run")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("  ok   ") == len(chaos.INVARIANTS), done.stdout
