@@ -150,3 +150,14 @@ def test_a_seeded_campaign_holds_every_invariant(tmp_path, args):
                           text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("  ok   ") == len(chaos.INVARIANTS), done.stdout
+
+
+def test_a_fault_past_the_restart_budget_is_answered_by_the_jobs_end():
+    run, ref = good_run()
+    ended = [e for e in run.events if e["event"] not in ("recovering", "recovered")] + [
+        {"ts": T0 + 12.1, "event": "job_failed", "exit_code": 1,
+         "reason": "rank 1 (node vm:1) was killed by SIGKILL; restart budget spent (0/0)"}]
+    verdict = chaos.check(dataclasses.replace(run, events=ended, expected_exit=1,
+                                              exit_codes=[[1]], out=None), ref)
+    assert verdict == dict.fromkeys(chaos.INVARIANTS)
+    assert broken(doctored(events=ended)) == {"recoveries"}  # not when the budget was left
