@@ -139,9 +139,11 @@ def test_a_coordinator_loss_counts_once_however_many_survivors_log_it():
 
 
 @pytest.mark.parametrize("args", [
-    ["--seed", "3", "--faults", "4", "--nodes", "2", "--nproc", "1",
-     "--kinds", "kill,segv,exception,spin,writer,node,coordinator,sigterm"],
-], ids=["two-nodes"])
+    ["--seed", "6", "--faults", "4", "--nodes", "1", "--nproc", "2",
+     "--kinds", "kill,segv,exception,stop,writer,sigterm"],  # writer, stop, kill, segv
+    ["--seed", "23", "--faults", "4", "--nodes", "2", "--nproc", "1", "--fsdp",
+     "--kinds", "exception,spin,node,coordinator,sigterm"],  # node, exception, coordinator, sigterm
+], ids=["one-node-ddp", "two-nodes-fsdp"])
 def test_a_seeded_campaign_holds_every_invariant(tmp_path, args):
     """The real thing: the runner's job under ftlaunch with faults of most kinds drawn by
     a fixed seed; it exits 0 only if every invariant held."""
