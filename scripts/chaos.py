@@ -16,7 +16,8 @@ Faults: kill (SIGKILL a rank), segv, exception (raised in the training loop), st
 a hang), spin (a GIL-holding hang), writer (SIGKILL a rank right after it staged a save,
 while its writer persists it), node (SIGKILL an agent and its ranks), coordinator (the same,
 of the node hosting the coordinator), sigterm (preemption of every node; the job is started
-again, as a scheduler requeues it). The same seed draws the same schedule.
+again, as a scheduler requeues it), disk (the checkpoint file system full for two saves: a
+tmpfs of its own, mounted for the run; needs root). The same seed draws the same schedule.
 
     python scripts/chaos.py --seed 1 --faults 6                 # one run, 1 node
     python scripts/chaos.py --seed 1 --faults 6 --nodes 3 --fsdp
@@ -51,7 +52,7 @@ sys.path.insert(0, str(REPO))
 
 RANK_KINDS = ("kill", "segv", "exception", "stop", "spin", "writer")
 NODE_KINDS = ("node", "coordinator")
-KINDS = (*RANK_KINDS, *NODE_KINDS, "sigterm")
+KINDS = (*RANK_KINDS, *NODE_KINDS, "sigterm", "disk")
 TAG_VAR = "FTLAUNCH_CHAOS_TAG"
 CKPT_EVERY = 5
 START = re.compile(r"start rank (\d+) world (\d+) pid (\d+) resume_from (\d+)")
@@ -105,7 +106,7 @@ class Run:
 
 
 def needs_recovery(kind: str) -> bool:
-    return kind != "sigterm"
+    return kind not in ("sigterm", "disk")  # a requeue; a checkpoint that waits for room
 
 
 def check_completes(run: Run, ref: Reference) -> str | None:
@@ -305,8 +306,12 @@ class Job:
                     TAG_VAR: tag, "PYTHONPATH": str(REPO), "TMPDIR": str(work / "tmp"),
                     "FTLAUNCH_RUNTIME_DIR": str(work / "runtime"), "FTLAUNCH_LIVE": "0",
                     "TRAIN_CHAOS_DIR": str(work / "chaos")}
-        for sub in ("tmp", "chaos", "logs"):
+        for sub in ("tmp", "chaos", "logs", "ckpt"):
             (work / sub).mkdir(parents=True, exist_ok=True)
+        self.mounted = any(f.kind == "disk" for f in opts.schedule())
+        if self.mounted:  # a file system that can be filled without filling the machine's
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(work / "ckpt")],
+                           check=True, capture_output=True)
 
     def agent(self) -> subprocess.Popen:
         n = len(self.agents)
@@ -438,6 +443,12 @@ def inject(job: Job, fault: Fault) -> Injected:
         for proc in job.alive():
             proc.send_signal(signal.SIGTERM)
         return Injected(fault, at, "every node")
+    if kind == "disk":
+        ckpt = job.work / "ckpt"
+        free = os.statvfs(ckpt).f_bavail * os.statvfs(ckpt).f_frsize
+        with open(ckpt / ".filler", "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, free)
+        return Injected(fault, at, f"{free >> 20} MiB filled")
     raise ValueError(f"unknown fault kind {kind!r}")
 
 
@@ -445,6 +456,11 @@ def wait_recovered(job: Job, injected: Injected, timeout: float = 120) -> None:
     """Block until the fault's recovery is over: ranks back (a new spare for a lost node);
     after a preemption, the job started again."""
     kind = injected.fault.kind
+    if kind == "disk":  # two saves find it full; then there is room again
+        step = injected.fault.step + 2 * CKPT_EVERY
+        job.out.wait(rf"step (?:{_at_least(step)}) loss ", len(job.out.lines), timeout=timeout)
+        (job.work / "ckpt" / ".filler").unlink()
+        return
     if kind == "sigterm":
         codes = [p.wait(timeout=timeout) for p in job.starts[-1]]
         del codes
@@ -463,32 +479,35 @@ def wait_recovered(job: Job, injected: Injected, timeout: float = 120) -> None:
 
 
 def run_job(opts: Options, work: Path) -> Run:
-    tag = uuid.uuid4().hex
-    job = Job(opts, work, tag)
+    job = Job(opts, work, uuid.uuid4().hex)
     plan = opts.schedule()
     injected: list[Injected] = []
-    job.start()
-    mark = 0
     try:
-        for fault in plan:
-            try:
-                mark, _ = job.out.wait(rf"step (?:{_at_least(fault.step)}) loss ", mark,
-                                       timeout=180)
-            except TimeoutError:
-                if not job.alive():
-                    break  # the job ended (the budget spent)
-                raise
-            injected.append(inject(job, fault))
-            wait_recovered(job, injected[-1])
-            mark = len(job.out.lines)
-        for proc in job.alive():
-            proc.wait(timeout=300)
+        job.start()
+        mark = 0
+        try:
+            for fault in plan:
+                try:
+                    mark, _ = job.out.wait(rf"step (?:{_at_least(fault.step)}) loss ", mark,
+                                           timeout=180)
+                except TimeoutError:
+                    if not job.alive():
+                        break  # the job ended (the budget spent)
+                    raise
+                injected.append(inject(job, fault))
+                wait_recovered(job, injected[-1])
+                mark = len(job.out.lines)
+            for proc in job.alive():
+                proc.wait(timeout=300)
+        finally:
+            for proc in job.alive():
+                os.killpg(proc.pid, signal.SIGKILL)
+        recovering = sum(needs_recovery(f.kind) for f in plan)
+        return collect(job, opts, injected,
+                       1 if opts.budget is not None and recovering > opts.budget else 0)
     finally:
-        for proc in job.alive():
-            os.killpg(proc.pid, signal.SIGKILL)
-    recovering = sum(needs_recovery(f.kind) for f in plan)
-    expected = 1 if opts.budget is not None and recovering > opts.budget else 0
-    return collect(job, opts, injected, expected)
+        if job.mounted:
+            subprocess.run(["umount", "-l", str(work / "ckpt")], check=False)
 
 
 def _at_least(step: int) -> str:
@@ -634,7 +653,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=1, choices=(1, 2, 3))
     p.add_argument("--nproc", type=int, default=2, help="ranks per node")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP")
-    p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds to draw from")
+    p.add_argument("--kinds", default=",".join(k for k in KINDS if k != "disk" or os.geteuid() == 0),
+                   help="fault kinds to draw from (disk: as root)")
     p.add_argument("--budget", type=int, default=None, help="--max-restarts (default: enough)")
     p.add_argument("--campaign", type=int, default=0,
                    help="this many runs, seeds from --seed on; prints a table")

@@ -12,6 +12,7 @@ replacement rank on the same node restores from shared memory without touching s
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -207,6 +208,14 @@ class AsyncCheckpointer:
             busy.set()
 
     def _raise_writer_error(self) -> None:
+        """A failed write stops training (the script decides what next), except a full
+        storage: the step stays staged in this node's memory (restorable, persisted at exit
+        if there is room then), later saves try again, and training goes on."""
+        if isinstance(self._error, OSError) and self._error.errno in (errno.ENOSPC, errno.EDQUOT):
+            log.warning("checkpoint storage %s is full: a step was not made durable (it stays "
+                        "in this node's memory); training goes on and the next save tries "
+                        "again. Free space at %s.", self.uri, self.uri)
+            self._error = None
         if self._error is not None:
             error, self._error = self._error, None
             raise CheckpointError(f"saving a checkpoint to {self.uri} failed: {error}; "
