@@ -259,7 +259,12 @@ def train(ctx, args, shim):
             shim.load_state_dict(ckpt["shim"])  # the learned pace, for hang timeouts
     if ckpt_path and rank == 0:
         os.makedirs(args.ckpt_dir, exist_ok=True)
-    ddp = DDP(model) if distributed and not args.fsdp else model
+    # find_unused_parameters: DDP then keeps its first gradient-bucket layout. By default it
+    # rebuilds the buckets after a process's first step, so a resumed attempt's first step
+    # would reduce in another layout than the uninterrupted run's, and a ring all-reduce of
+    # 3+ ranks adds each element in an order that depends on its place in the bucket: the
+    # weights would then differ in the last bits (scripts/chaos.py found it).
+    ddp = DDP(model, find_unused_parameters=True) if distributed and not args.fsdp else model
     log(f"start rank {rank} world {world} pid {os.getpid()} resume_from {start} ({source}) "
         f"agents_committed {ctx.resume_step if ctx else None}")
 
