@@ -350,7 +350,7 @@ def table(runs):
         own = ft_own(r)
         own_s = "-" if own is None or own.get("goodput") is None else f"{own['goodput']:.4f}"
         lines.append(f"| {r['launcher']} | {r['variant']} | {r['every_s']:g} s | "
-                     f"**{r['goodput']:.4f}** | {fmt_s(r['goodput_excl_startup'])} | "
+                     f"**{r['goodput']:.4f}** | {r['goodput_excl_startup'] or 0:.4f} | "
                      f"{r['faults']} | "
                      + " | ".join(f"{r['lost_s'][c]:.2f}" for c in CAUSES)
                      + f" | {fmt_s(statistics.median(rec) if rec else None)} | {own_s} |")
@@ -365,17 +365,20 @@ def plot(runs, path):
     import matplotlib.pyplot as plt
 
     intervals = sorted({r["every_s"] for r in runs if "timeline" in r}, reverse=True)
+    names = sorted({(r["launcher"], r["variant"]) for r in runs if "timeline" in r})
+    colors = {n: f"C{i}" for i, n in enumerate(names)}  # the same in every panel
     fig, axes = plt.subplots(2, len(intervals), figsize=(6.5 * len(intervals), 8.2),
                              squeeze=False, sharex="col", height_ratios=[3, 2])
     for col, every in enumerate(intervals):
         top, bottom = axes[0][col], axes[1][col]
         mine = [r for r in runs if r.get("every_s") == every and "timeline" in r]
-        for r in mine:
+        for r in sorted(mine, key=lambda r: names.index((r["launcher"], r["variant"]))):
             xs, ys = zip(*r["timeline"], strict=True)
+            color = colors[r["launcher"], r["variant"]]
             label = f"{r['launcher']} {r['variant']}: goodput {r['goodput']:.3f}"
-            top.step(xs, ys, where="post", label=label)
+            top.step(xs, ys, where="post", label=label, color=color)
             bottom.step(xs, [x - y for x, y in zip(xs, ys, strict=True)], where="post",
-                        label=label)
+                        label=label, color=color)
         for k in mine[0]["kills"] if mine else []:
             for ax in (top, bottom):
                 ax.axvline(k["t"], color="grey", alpha=0.35, lw=0.8)
