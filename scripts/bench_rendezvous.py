@@ -105,7 +105,7 @@ class Agents:
         self.planes, self.epoch, self.assign = {}, {}, {}
         self.silent, self.closed = set(), set()
         self.seen = {"assign": {}, "start": {}, "recover": {}, "failover": {}}
-        self.last_beat, self.beats = {}, 0
+        self.last_beat, self.beats, self.joined = {}, 0, False  # no heartbeat before a join
         self.poller, self.by_socket = zmq.Poller(), {}
         for i in ids:
             p = ControlPlane(self.context, SECRET, node_id(i), addr, ("127.0.0.1", port),
@@ -171,7 +171,7 @@ class Agents:
         now = time.monotonic()
         for i in self.live():
             p = self.planes[i]
-            if now >= p.next_heartbeat:
+            if self.joined and now >= p.next_heartbeat:
                 p.heartbeat_if_due(now, self.epoch[i], "running")
                 self.last_beat[i], self.beats = now, self.beats + 1
             if p.coordinator_lost(now):
@@ -201,7 +201,7 @@ class Agents:
 
 def agents_main(conn, port, ids, n, addr, node_timeout, interval, fds):
     raise_nofile(fds)
-    logging.basicConfig(level=logging.ERROR)
+    logging.basicConfig(level=os.environ.get("BENCH_LOG", "ERROR"))
     try:
         agents = Agents(port, ids, n, addr, node_timeout, interval)
     except Exception as e:
@@ -213,6 +213,7 @@ def agents_main(conn, port, ids, n, addr, node_timeout, interval, fds):
         while conn.poll(0):
             cmd, *args = conn.recv()
             if cmd == "join":
+                agents.joined = True
                 t = time.monotonic()
                 for i in agents.live():
                     agents.join(i)
@@ -544,7 +545,7 @@ def main():
     p.add_argument("--plot", help="PNG of time and CPU against N")
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    raise_nofile(FDS_PER_AGENT * 4 + 4096)
+    raise_nofile(max(sizes) * FDS_PER_AGENT + 4096)  # the coordinator: one per agent
     logging.getLogger("ftlaunch").setLevel(logging.ERROR)  # "node ... lost" is expected here
     rows = []
     for n in sizes:
