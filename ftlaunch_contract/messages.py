@@ -327,6 +327,15 @@ class Tick(Body):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Leaving(Body):
+    """From the shim at exit: its training is over, no heartbeat comes any more; what is
+    left (closing checkpoints, the interpreter's shutdown) is no hang."""
+
+    TYPE = "leaving"
+    pid: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class Learned(Body):
     """The longest heartbeat interval, restored from a checkpoint."""
 
@@ -398,5 +407,5 @@ CONTROL: dict[str, type[Body]] = {m.TYPE: m for m in (
     HeartbeatAck, Assign, Start, Recover, Stop, Redirect, Spare, Committed, InMemory,
     StatusQuery, JobStatus)}
 LOCAL: dict[str, type[Body]] = {m.TYPE: m for m in (
-    Hello, Restartable, Beat, Tick, Learned, Section, Parked, ShardDurable, ShardStaged,
-    Abort, Resume, Committed)}
+    Hello, Restartable, Beat, Tick, Leaving, Learned, Section, Parked, ShardDurable,
+    ShardStaged, Abort, Resume, Committed)}

@@ -20,6 +20,7 @@ from ftlaunch_contract.messages import (
     Body,
     Hello,
     Learned,
+    Leaving,
     Parked,
     Restartable,
     Section,
@@ -41,6 +42,7 @@ class RankLink:
     restartable: bool = False
     stacks: bool = False  # registered the stack-dump signal
     parked: bool = False
+    leaving: bool = False  # its training is over: the process is exiting
     error: str = ""
     pending: list[bytes] = field(default_factory=list)  # commands before its hello
 
@@ -110,7 +112,7 @@ class RankHub:
             try:
                 identity, data = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                news.parked.extend(pid for _, pid in sorted(parked))  # first to leave first
+                news.parked.extend(first_to_leave(parked))
                 return news
             except ValueError:
                 continue  # not two frames: not from a shim
@@ -132,6 +134,8 @@ class RankHub:
                     link.restartable = True
                 case Learned():
                     link.activity.restore(msg.interval)
+                case Leaving():
+                    link.leaving = True
                 case Tick():
                     # When it was sent, not read: ticks queued while the agent was starved
                     # of CPU must not make a frozen rank look alive.
@@ -166,7 +170,8 @@ class RankHub:
     def hung(self, now: float, timeouts: HangTimeouts) -> list[tuple[int, str]]:
         """(pid, reason) of the hung ranks among those using the shim and not parked."""
         return hung_ranks({pid: link.activity for pid, link in self.links.items()
-                           if link.identity is not None and not link.parked}, timeouts, now)
+                           if link.identity is not None and not link.parked
+                           and not link.leaving}, timeouts, now)
 
     def beat_age(self, pid: int, now: float) -> float | None:
         """Seconds since the rank's last heartbeat (None: it never sent one)."""
@@ -189,3 +194,9 @@ class RankHub:
     def close(self) -> None:
         self.socket.close()
         self._path.unlink(missing_ok=True)
+
+
+def first_to_leave(parked: list[tuple[float, int]]) -> list[int]:
+    """The pids of ranks that parked, read in one batch, in the order they left (their
+    ``sent`` clock): the first is the failure, the others its echoes in their collectives."""
+    return [pid for _, pid in sorted(parked)]

@@ -244,7 +244,7 @@ class Options:
 
     def steps(self) -> int:
         plan = self.schedule()
-        return (plan[-1].step if plan else 0) + 15
+        return (plan[-1].step if plan else 0) + 40  # room for the last fault to land
 
     def train_args(self, work: Path) -> list[str]:
         return [str(TRAIN), "--shim", "--async-ckpt", *(["--fsdp"] if self.fsdp else []),

@@ -27,6 +27,7 @@ from ftlaunch_contract.messages import (
     Committed,
     Hello,
     Learned,
+    Leaving,
     Parked,
     Restartable,
     Resume,
@@ -114,6 +115,8 @@ class AgentLink:
         mid-poll by finalization could die inside native code). Pending reports get the
         sockets' linger to reach the agent."""
         if self._listener.is_alive():
+            with contextlib.suppress(zmq.Again):  # our ticks end here: no hang, an exit
+                self._commands.send(pack_local(Leaving(pid=self.pid)), zmq.NOBLOCK)
             os.write(self._wake_w, b"x")
             self._listener.join(timeout=2 * TICK_INTERVAL + 1)
         if not self._listener.is_alive():  # never close what its thread still polls

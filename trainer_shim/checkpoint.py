@@ -636,7 +636,7 @@ def _stage(slot: Slot, tensors: list[torch.Tensor], sizes: list[int]) -> list[di
     on_gpu = any(t.is_cuda for t in tensors)
     if on_gpu:
         _pin(slot)
-    entries, copies, offset = [], [], 0
+    entries, targets, sources, offset = [], [], [], 0
     for t, size in zip(tensors, sizes, strict=True):
         if size:
             target = torch.frombuffer(slot.buffer, dtype=t.dtype, count=t.numel(),
@@ -644,23 +644,34 @@ def _stage(slot: Slot, tensors: list[torch.Tensor], sizes: list[int]) -> list[di
             source = t.detach().reshape(-1)
             if t.is_cuda:
                 target.copy_(source, non_blocking=True)
+            elif size <= COPY_PIECE:
+                targets.append(target)
+                sources.append(source)
             else:
-                step = max(1, COPY_PIECE // t.element_size())
-                copies += [(target[i:i + step], source[i:i + step])
-                           for i in range(0, t.numel(), step)]
-        entries.append({"dtype": str(t.dtype).removeprefix("torch."),
+                step = COPY_PIECE // t.element_size()
+                targets += [target[i:i + step] for i in range(0, t.numel(), step)]
+                sources += [source[i:i + step] for i in range(0, t.numel(), step)]
+        entries.append({"dtype": _DTYPE_NAMES.get(t.dtype) or _dtype_name(t.dtype),
                         "shape": list(t.shape), "offset": offset, "nbytes": size})
         offset += _aligned(size)
-    threads = min(COPY_THREADS, len(os.sched_getaffinity(0)), len(copies))
+    threads = min(COPY_THREADS, len(os.sched_getaffinity(0)), len(targets))
     if threads > 1 and offset >= PARALLEL_COPY_MIN:
-        Parallel(lambda pair: pair[0].copy_(pair[1]), copies, threads,
-                 name="ftlaunch-ckpt-stage").result()
-    else:
-        for target, source in copies:
-            target.copy_(source)
+        Parallel(lambda pair: pair[0].copy_(pair[1]), list(zip(targets, sources, strict=True)),
+                 threads, name="ftlaunch-ckpt-stage").result()
+    elif targets:
+        torch._foreach_copy_(targets, sources)  # one call: a state has thousands of tensors
     if on_gpu:
         torch.cuda.synchronize()  # the copy is whole before the slot is sealed
     return entries
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """"float32" for torch.float32 (str() of a dtype is slow enough to show in a save)."""
+    _DTYPE_NAMES[dtype] = name = str(dtype).removeprefix("torch.")
+    return name
 
 
 def _pin(slot: Slot) -> None:
