@@ -34,10 +34,10 @@ log = logging.getLogger("ftlaunch.control")
 
 HEARTBEATS_PER_SECOND = 2048
 """What a coordinator hears at most from a large job's heartbeats: beyond that many nodes
-per configured interval, each node heartbeats less often (see heartbeat_interval)."""
+per configured interval, each node heartbeats less often (see beat_interval)."""
 
 
-def heartbeat_interval(configured: float, node_timeout: float, nodes: int) -> float:
+def beat_interval(configured: float, node_timeout: float, nodes: int) -> float:
     """Seconds between a node's heartbeats in a job of ``nodes``: the configured interval,
     or longer once the coordinator would hear more than HEARTBEATS_PER_SECOND, never more
     than a third of the node timeout (heartbeats go over TCP: none is lost on the way, and
@@ -90,8 +90,10 @@ class ControlPlane:
         self._context, self._secret = context, secret
         self.node_id, self.addr = node_id, addr
         self._new_state = new_state
-        self._node_timeout, self._interval = node_timeout, heartbeat_interval
-        self._configured_interval = heartbeat_interval
+        # Until an assign says how large the job is, as a node of a large one: 16,384 agents
+        # joining at 0.5 s would bury their joins under 32,768 heartbeats a second.
+        self._node_timeout, self._configured_interval = node_timeout, heartbeat_interval
+        self._interval = beat_interval(heartbeat_interval, node_timeout, 1 << 30)
         self.codec = Codec(secret)
         self.coordinator: Coordinator | None = None
         self._redirecting: Coordinator | None = None  # see _host
@@ -118,7 +120,7 @@ class ControlPlane:
         self.connection_lost = False
         self._rendezvous = self._endpoint if endpoint is not None else ""  # where agents meet
         self.last_heard = time.monotonic()
-        self.next_heartbeat = time.monotonic() + heartbeat_interval
+        self.next_heartbeat = time.monotonic() + self._interval
 
     @property
     def endpoint(self) -> str:
@@ -172,7 +174,7 @@ class ControlPlane:
             self.members = received.body.members
             self.coordinator_node = received.body.coordinator_node
         if isinstance(received.body, Assign):
-            self._interval = heartbeat_interval(self._configured_interval, self._node_timeout,
+            self._interval = beat_interval(self._configured_interval, self._node_timeout,
                                                 received.body.group_world_size)
         elif isinstance(received.body, Redirect):  # the job runs under a successor: go there
             self._reconnect(f"tcp://{received.body.addr}:{received.body.port}")
