@@ -3,6 +3,7 @@ coordinator. Real agents, real ranks, real gloo; node identities are hostname:pi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -31,6 +32,17 @@ def _wait_listening(port: int, timeout: float = 90) -> None:
             return
         time.sleep(0.05)  # polling the kernel's socket table: there is no event to wait on
     pytest.fail(f"nothing listened on {port} within {timeout}s")
+
+
+@contextlib.contextmanager
+def _post_mortem(nodes):
+    """On any failure inside, print what every node said (the failing wait shows one)."""
+    try:
+        yield
+    except BaseException:
+        for i, run in enumerate(nodes):
+            print(f"--- node {i}\n{run.drain()}")
+        raise
 
 
 def _wait_in_memory(log_dir, step: int, after: float = 0.0, timeout: float = 90) -> int:
@@ -213,24 +225,22 @@ def test_fsdp_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(tmp_path,
     nodes = [_node(launch, port, "2:3", *args, extra=extra[0])]
     _wait_listening(port)
     nodes += [_node(launch, port, "2:3", *args, extra=extra[i]) for i in (1, 2)]
-    _wait_in_memory(logs, 10)
-    lost = nodes.pop()
-    lost.proc.kill()  # the whole node: agent SIGKILLed, its rank dies with it
-    lost.finish()
-    shrunk = nodes[0].wait_for(r"world 2 pid \d+ resume_from (\d+) \((.*), resharded from "
-                               r"3 ranks\)", timeout=90)
-    shrunk_at = time.time()
-    resumed = int(shrunk.group(1))
-    assert resumed >= 10 and "storage" not in shrunk.group(2), shrunk.group(0)
-    _wait_in_memory(logs, resumed + 10, after=shrunk_at)  # the 2-node world's, before a join
-    nodes.append(_node(launch, port, "2:3", *args, extra=extra[3]))
-    try:
-        grown = nodes[-1].wait_for(r"world 3 pid \d+ resume_from \d+ \((.*), resharded from 2 "
-                                   r"ranks\)", timeout=90)
-    except BaseException:
-        for run in nodes:  # what the others did meanwhile, for the post-mortem
-            print(f"--- node\n{run.drain()}")
-        raise
+    everyone = list(nodes)
+    with _post_mortem(everyone):
+        _wait_in_memory(logs, 10)
+        lost = nodes.pop()
+        lost.proc.kill()  # the whole node: agent SIGKILLed, its rank dies with it
+        lost.finish()
+        shrunk = nodes[0].wait_for(r"world 2 pid \d+ resume_from (\d+) \((.*), resharded "
+                                   r"from 3 ranks\)", timeout=90)
+        shrunk_at = time.time()
+        resumed = int(shrunk.group(1))
+        assert resumed >= 10 and "storage" not in shrunk.group(2), shrunk.group(0)
+        _wait_in_memory(logs, resumed + 10, after=shrunk_at)  # the 2-node world's, then a join
+        nodes.append(_node(launch, port, "2:3", *args, extra=extra[3]))
+        everyone.append(nodes[-1])
+        grown = nodes[-1].wait_for(r"world 3 pid \d+ resume_from \d+ \((.*), resharded from "
+                                   r"2 ranks\)", timeout=90)
     assert grown.group(1).startswith("peer memory"), grown.group(0)  # it held nothing
     for run in nodes:
         assert run.finish() == 0, run.output
@@ -256,13 +266,14 @@ def test_a_hot_spare_restores_a_lost_nodes_ranks_from_a_peers_memory(tmp_path, l
     spare = _node(launch, port, "2:3", *args, extra=extra[3])
     nodes[0].wait_for(r"node \S+ waits as a spare")  # the first node hosts the coordinator
     lost = nodes.pop()  # another one
-    _wait_in_memory(logs, 20)
-    lost.proc.kill()  # the whole node: agent SIGKILLed, its rank dies with it
-    lost.finish()
-    taken = spare.wait_for(rf"start rank {ranks[2]} world 3 pid \d+ resume_from (\d+) "
-                           r"\((.*)\)", timeout=90)
-    assert int(taken.group(1)) >= 10 and taken.group(2).startswith("peer memory (node "), \
-        f"{taken.group(0)}\n--- spare\n{spare.drain()}\n--- first node\n{nodes[0].drain()}"
+    with _post_mortem([*nodes, lost, spare]):
+        _wait_in_memory(logs, 20)
+        lost.proc.kill()  # the whole node: agent SIGKILLed, its rank dies with it
+        lost.finish()
+        taken = spare.wait_for(rf"start rank {ranks[2]} world 3 pid \d+ resume_from (\d+) "
+                               r"\((.*)\)", timeout=90)
+        assert int(taken.group(1)) >= 10 and taken.group(2).startswith("peer memory (node "), \
+            taken.group(0)
     for run in (*nodes, spare):
         assert run.finish() == 0, run.output
     faulted = json.loads((tmp_path / "out.json").read_text())
