@@ -510,8 +510,9 @@ class Coordinator:
         def peer(node: str) -> Peer:
             return Peer(node, s.members[node].addr, s.replica_ports.get(node, 0))
         out = {}
+        every_holder = replica_plan.every_holder(ring, s.replicas)
         for a in assignments:
-            holders = [peer(n) for n in replica_plan.holders(ring, a.node_id, s.replicas)]
+            holders = [peer(n) for n in every_holder.get(a.node_id, [])]
             fetch = tuple(Fetch(h.world_size, h.rank, h.step, *peer(src))
                           for h, src in plan.get(a.node_id, []))
             out[a.node_id] = (tuple(p for p in holders if p.port), fetch)

@@ -29,14 +29,31 @@ def holders(ring: list[tuple[str, str]], node: str, k: int) -> list[str]:
     """The ``k`` nodes that keep ``node``'s replicas. ``ring``: (node id, failure domain) in
     group-rank order. The nodes after ``node`` around the ring, those in another failure
     domain (another host) first, so that one lost host rarely takes both copies."""
-    ids = [n for n, _ in ring]
-    if node not in ids or k <= 0:
-        return []
-    at = ids.index(node)
-    domain = ring[at][1]
-    after = [ring[(at + i) % len(ring)] for i in range(1, len(ring))]
-    ordered = [n for n, d in after if d != domain] + [n for n, d in after if d == domain]
-    return ordered[:k]
+    return every_holder(ring, k).get(node, []) if k > 0 else []
+
+
+def every_holder(ring: list[tuple[str, str]], k: int) -> dict[str, list[str]]:
+    """holders() of every node of the ring at once: O(N k) when each host is a domain of
+    its own (a scan per node from scratch was O(N^2) a round: 11 s at 4,096 nodes)."""
+    if k <= 0:
+        return {}
+    out, size = {}, len(ring)
+    one_domain = len({d for _, d in ring}) == 1
+    for at, (node, domain) in enumerate(ring):
+        other: list[str] = []
+        same: list[str] = []
+        for i in range(1, size):
+            n, d = ring[(at + i) % size]
+            if d != domain:
+                other.append(n)
+                if len(other) == k:
+                    break
+            elif len(same) < k:
+                same.append(n)
+                if one_domain and len(same) == k:
+                    break
+        out[node] = (other + same)[:k]
+    return out
 
 
 def newest_in_memory(held: Mapping[str, Iterable[Held]]) -> tuple[int, int] | None:
