@@ -445,10 +445,15 @@ def inject(job: Job, fault: Fault) -> Injected:
         return Injected(fault, at, "every node")
     if kind == "disk":
         ckpt = job.work / "ckpt"
-        free = os.statvfs(ckpt).f_bavail * os.statvfs(ckpt).f_frsize
-        with open(ckpt / ".filler", "wb") as f:
-            os.posix_fallocate(f.fileno(), 0, free)
-        return Injected(fault, at, f"{free >> 20} MiB filled")
+        with open(ckpt / ".filler", "wb") as f:  # all there is: the writers take some meanwhile
+            free = os.statvfs(ckpt).f_bavail * os.statvfs(ckpt).f_frsize
+            while free > 0:
+                try:
+                    os.posix_fallocate(f.fileno(), 0, free)
+                    break
+                except OSError:
+                    free -= 1 << 20
+        return Injected(fault, at, f"{max(free, 0) >> 20} MiB filled")
     raise ValueError(f"unknown fault kind {kind!r}")
 
 
@@ -664,16 +669,23 @@ def main(argv: list[str] | None = None) -> int:
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if unknown := set(kinds) - set(KINDS):
         p.error(f"unknown fault kinds {sorted(unknown)}: choose from {','.join(KINDS)}")
-    runs = []
+    runs, failed = [], 0
     for seed in range(args.seed, args.seed + max(1, args.campaign)):
         opts = Options(seed, args.faults, args.nodes, args.nproc, args.fsdp, kinds, args.budget,
                        args.work if not args.campaign else None, args.verbose)
-        run, verdict = one_run(opts)
+        try:
+            run, verdict = one_run(opts)
+        except Exception as e:  # the runner's own failure: this run counts as broken
+            print(f"chaos seed {seed}: the run could not be completed: {e!r}", flush=True)
+            failed += 1
+            continue
         report(opts, run, verdict)
+        sys.stdout.flush()
         runs.append((opts, run, verdict))
     if args.campaign:
-        print(campaign_table(runs))
-    return 0 if all(v is None for _, _, verdict in runs for v in verdict.values()) else 1
+        print(campaign_table(runs) + (f"\n\n{failed} run(s) could not be completed" if failed else ""))
+    return 0 if not failed and all(v is None for _, _, verdict in runs
+                                   for v in verdict.values()) else 1
 
 
 if __name__ == "__main__":
