@@ -435,6 +435,8 @@ def inject(job: Job, fault: Fault) -> Injected:
     if kind in NODE_KINDS:
         seated = job.seated()
         victim = job.coordinator() if kind == "coordinator" else seated[target % len(seated)]
+        if victim.poll() is not None:  # its successor's event not seen yet: the first alive
+            victim = seated[0]
         job.killed.add(victim.pid)
         os.killpg(victim.pid, signal.SIGKILL)  # the agent and its ranks: the node is gone
         victim.wait()
