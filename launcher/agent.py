@@ -82,6 +82,7 @@ class Agent:
         self.start_order: messages.Start | None = None  # the one being carried out
         self.store: AgentStore | None = None
         self.spare_store: AgentStore | None = None  # next attempt's, already importing torch
+        self.waiting_as_spare = False  # told so (a spare message) since the last assign
         self.first_failure: failures.RankFailure | None = None
         self.recovery: PhaseClock | None = None  # times a recovery, from failure to ranks back
         self.policy = config.restart_policy  # of the recovery under way
@@ -218,10 +219,13 @@ class Agent:
                 self._on_stop(exit_code, reason)
             case messages.Redirect() if self.phase == Phase.JOINING:
                 self._send_join()  # to the coordinator the job now runs under
-            case messages.Spare():
-                pass  # the control plane noted whom to follow; we wait for the next round
+            case messages.Spare(coordinator_node=node) if not self.waiting_as_spare:
+                self.waiting_as_spare = True  # the control plane noted whom to follow
+                self.events.emit("spare", f"waiting as a spare: the job runs on its maximum "
+                                 f"of nodes (coordinator {node})", coordinator=node)
 
     def _on_assign(self, msg: messages.Assign) -> None:
+        self.waiting_as_spare = False
         if self.phase != Phase.JOINING:
             log.warning("ignored an assignment in phase %s", self.phase)
             return

@@ -28,6 +28,7 @@ EVENTS: dict[str, frozenset[str]] = {kind: frozenset(fields.split()) for kind, f
     "rank_template_unsafe": "why",
     "rank_template_died": "returncode",
     "assigned": "epoch group_rank group_world_size world_size restart_count",
+    "spare": "coordinator",
     "started": "world_size run_id",
     "progress": "step at",
     "rank_failed": "rank local_rank exit_code signal cause",

@@ -276,12 +276,16 @@ class Lines:
                         sys.stderr.write(f"  n{node} {line}")
         threading.Thread(target=read, daemon=True).start()
 
-    def wait(self, pattern: str, since: int, timeout: float) -> tuple[int, re.Match]:
-        """The first line from index ``since`` on that matches: (its index, the match)."""
+    def wait(self, pattern: str, since: int, timeout: float,
+             node: int | None = None) -> tuple[int, re.Match]:
+        """The first line from index ``since`` on (of ``node``'s agent, if given) that
+        matches: (its index, the match)."""
         regex, deadline = re.compile(pattern), time.monotonic() + timeout
         with self.cond:
             while True:
                 for i in range(since, len(self.lines)):
+                    if node is not None and self.lines[i][1] != node:
+                        continue
                     if m := regex.search(self.lines[i][2]):
                         return i, m
                 since = len(self.lines)
@@ -348,8 +352,10 @@ class Job:
         self.starts.append(procs)
 
     def spare(self, mark: int) -> subprocess.Popen:
+        """A new agent, once it waits as a spare (or was seated in a round forming)."""
         proc = self.agent()
-        self.out.wait(r"waits as a spare", mark, timeout=120)
+        node = len(self.agents) - 1
+        self.out.wait(r"waiting as a spare|started \d+ ranks", mark, timeout=120, node=node)
         return proc
 
     def node_id(self, proc: subprocess.Popen) -> str:
