@@ -61,6 +61,7 @@ PEER_ERROR_GRACE = 0.5  # seconds a peer error waits for the failure that caused
 ACKS_PER_TIMEOUT = 4
 """A node's heartbeats are acked at most this often per node_timeout (it heartbeats far more
 often: one ack per heartbeat would double the coordinator's work for nothing)."""
+DRAIN_BATCH = 1024
 SUCCESSORS = 16
 """An assign lists only the first group ranks: the nodes that may take over the coordinator.
 Enough for 15 coordinator losses in a row, and keeps each assign O(1) in the job's size."""
@@ -245,8 +246,9 @@ class Coordinator:
                     self._codec.encode(self._announcement, self._state.epoch), zmq.NOBLOCK)
 
     def _drain(self) -> None:
-        """Handle every message already queued."""
-        while True:
+        """Handle the messages already queued, at most DRAIN_BATCH: under a stream faster
+        than we keep up with, the round's completion and the liveness tick still run."""
+        for _ in range(DRAIN_BATCH):
             try:
                 parts = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:

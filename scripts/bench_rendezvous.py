@@ -515,10 +515,11 @@ def plot(rows, path, node_timeout):
     ax2.set(xlabel="agents N", ylabel=f"seconds beyond --node-timeout ({node_timeout:g} s)",
             title="Silence: past the node timeout")
     ax2.legend(fontsize=8)
-    ax3.plot(ns, [100 * r["coordinator_cpu_fraction"] for r in ok], "o-",
-             label="coordinator process, all heartbeating")
-    ax3.plot(ns, [1e6 * r["coordinator_cpu_fraction"] / r["heartbeats_per_s"] for r in ok],
-             "s--", label="µs of CPU per heartbeat")
+    nan = float("nan")
+    ax3.plot(ns, [100 * r.get("coordinator_cpu_fraction", nan) for r in ok], "o-",
+             label="coordinator, all heartbeating")
+    ax3.plot(ns, [1e6 * r.get("coordinator_cpu_fraction", nan) / r.get("heartbeats_per_s", 1)
+                  for r in ok], "s--", label="µs of CPU per heartbeat")
     ax3.axhline(10, color="grey", ls=":", label="target: 10 % of a core")
     ax3.set(xlabel="agents N", ylabel="% of one core  /  µs", title="Coordinator CPU")
     ax3.legend(fontsize=8)
@@ -543,7 +544,14 @@ def main():
                    "(default 5 s, torch's; a node silent 3 intervals is evicted)")
     p.add_argument("--out-json")
     p.add_argument("--plot", help="PNG of time and CPU against N")
+    p.add_argument("--plot-from", metavar="JSON", help="only plot an earlier --out-json")
     args = p.parse_args()
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            saved = json.load(f)
+        plot([r for r in saved["rows"] if not r.get("torch_only")], args.plot,
+             saved["args"]["node_timeout"])
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
     raise_nofile(max(sizes) * FDS_PER_AGENT + 4096)  # the coordinator: one per agent
     logging.getLogger("ftlaunch").setLevel(logging.ERROR)  # "node ... lost" is expected here
