@@ -30,7 +30,7 @@ from typing import Any
 
 import msgpack
 
-from ftlaunch_contract.rank_exit import settle_gloo_workers
+from ftlaunch_contract.rank_exit import before_finalize
 from ftlaunch_contract.stack_dump import register_stack_dump
 
 OWN_PRELOAD = ("zmq", "ftlaunch_contract.protocol")
@@ -90,7 +90,7 @@ def become(order: dict[str, Any], fds: list[int], template_pid: int) -> None:
     _fresh_interpreter_state()
     set_title(order["title"], order["name"])
     register_stack_dump()
-    atexit.register(settle_gloo_workers)  # before the script's own: it runs after them
+    atexit.register(before_finalize)  # before the script's own: it runs after them
     argv = order["argv"]
     if order["module"]:
         sys.argv = list(argv)

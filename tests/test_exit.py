@@ -77,7 +77,7 @@ WORK_RELEASED_LATE = DRIVER + textwrap.dedent("""
             if open(f"/proc/self/task/{tid}/comm").read().strip() == "pt_gloo_runloop":
                 os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
         if os.environ.get("NO_SETTLE"):  # to measure this test without the workaround
-            ft.shutdown.settle_gloo_workers = lambda: True
+            ft.shutdown.rank_exit.settle_gloo_workers = lambda: True
         w = torch.ones(1024, requires_grad=True)
         w.register_hook(lambda grad: dist.all_reduce(grad))  # as DDP and FSDP do in backward
         (w * 2).sum().backward()
@@ -120,6 +120,21 @@ def test_gloo_work_from_backward_released_at_exit_does_not_abort_the_rank(tmp_pa
     (NO_SETTLE=1) this script aborted a rank in 10 of 16 pairs and 7 of 16; with it, none
     may."""
     _run(WORK_RELEASED_LATE, tmp_path, repeats=10)
+
+
+def test_the_heap_is_frozen_after_the_shims_exit_work_so_finalization_skips_it():
+    """Finalization's collections would traverse every object torch's import made (seconds of
+    CPU on a loaded node, on every recovery's stop path): after the shim's exit work, the
+    heap is frozen. A handler registered before the shim's import runs after it."""
+    script = ("import atexit, gc; atexit.register(lambda: print('frozen', gc.get_freeze_count()))\n"
+              "import torch, trainer_shim\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("FTLAUNCH_RUN_ID", None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    frozen = int(done.stdout.split("frozen")[-1])
+    assert frozen > 100_000, done.stdout  # torch's import alone leaves that many
 
 
 def test_exit_callbacks_run_newest_first_and_one_failure_does_not_stop_the_rest(

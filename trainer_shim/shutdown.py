@@ -5,7 +5,7 @@ exits 0 (a finished rank that dies at exit is counted as failed and restarted).
 join, then the agent link stops its listener. A daemon thread still running when
 finalization starts is cut off wherever it next needs the GIL (CPython calls pthread_exit
 there): a checkpoint half written, or native frames unwound. Then torch's gloo workers are
-let finish (ftlaunch_contract/rank_exit.py says why).
+let finish and the heap is frozen (ftlaunch_contract/rank_exit.py says why).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import atexit
 import sys
 from collections.abc import Callable
 
-from ftlaunch_contract.rank_exit import settle_gloo_workers
+from ftlaunch_contract import rank_exit
 
 _callbacks: list[Callable[[], None]] = []
 
@@ -31,7 +31,7 @@ def _run() -> None:
             callback()
         except Exception as e:  # one failing closer must not keep the others from running
             print(f"trainer_shim: at exit: {e}", file=sys.stderr)
-    settle_gloo_workers()
+    rank_exit.before_finalize()
 
 
 atexit.register(_run)
