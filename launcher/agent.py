@@ -687,6 +687,8 @@ class Agent:
         if then == Phase.DONE:
             self._done(exit_code)
         elif then == Phase.JOINING:
+            if self.recovery is not None:  # following a successor: the stop is its own phase
+                self.recovery.mark("stop")
             self._join()
         else:  # a recovery: survivors that parked stay, then back off (or the next order)
             self.parked = {r.local_rank: r for r in self.workers.alive() if r.proc.pid in self.keep}

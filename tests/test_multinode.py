@@ -123,6 +123,9 @@ def test_coordinator_loss_successor_takes_over(tmp_path, launch):
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["restart_count"] == 1 and result["final_step"] == 200
     assert result["resumed_from"] >= 10  # the checkpoint before the loss, not a fresh start
+    # Where the time went: stopping this node's own rank is its phase, before the rendezvous.
+    assert re.search(r"ranks back [\d.]+s after the failure \(stop [\d.]+s, rendezvous ",
+                     worker_node.output), worker_node.output
 
 
 def test_late_joiner_scales_the_job_up(tmp_path, launch):
