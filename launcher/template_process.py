@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import gc
 import importlib
 import os
 import random
@@ -233,6 +234,9 @@ def main() -> None:
     started = time.monotonic()
     os.environ["OMP_NUM_THREADS"] = "1"  # else importing torch starts OpenMP's threads
     preload([*OWN_PRELOAD, *sys.argv[2:]])
+    # What the imports made lives as long as the ranks: frozen, a rank's collections do not
+    # traverse it (nor touch, and so copy, the template's pages each time).
+    gc.freeze()
     unsafe = fork_unsafe()
     if unsafe is not None:
         _send(sock, unsafe=unsafe)

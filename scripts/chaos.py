@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -276,23 +277,28 @@ class Lines:
                         sys.stderr.write(f"  n{node} {line}")
         threading.Thread(target=read, daemon=True).start()
 
-    def wait(self, pattern: str, since: int, timeout: float,
-             node: int | None = None) -> tuple[int, re.Match]:
+    def wait(self, pattern: str, since: int, timeout: float, node: int | None = None,
+             accept: Callable[[re.Match], bool] | None = None) -> tuple[int, re.Match]:
         """The first line from index ``since`` on (of ``node``'s agent, if given) that
-        matches: (its index, the match)."""
+        matches (and whose match ``accept`` takes): (its index, the match)."""
         regex, deadline = re.compile(pattern), time.monotonic() + timeout
         with self.cond:
             while True:
                 for i in range(since, len(self.lines)):
                     if node is not None and self.lines[i][1] != node:
                         continue
-                    if m := regex.search(self.lines[i][2]):
+                    m = regex.search(self.lines[i][2])
+                    if m and (accept is None or accept(m)):
                         return i, m
                 since = len(self.lines)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no line matching {pattern!r} within {timeout}s")
                 self.cond.wait(left)
+
+    def wait_step(self, step: int, since: int, timeout: float) -> tuple[int, re.Match]:
+        """The first line from index ``since`` on of a step ``step`` or later."""
+        return self.wait(r"step (\d+) loss ", since, timeout, accept=lambda m: int(m[1]) >= step)
 
 
 class Job:
@@ -471,7 +477,7 @@ def wait_recovered(job: Job, injected: Injected, timeout: float = 120) -> None:
     kind = injected.fault.kind
     if kind == "disk":  # two saves find it full; then there is room again
         step = injected.fault.step + 2 * CKPT_EVERY
-        job.out.wait(rf"step (?:{_at_least(step)}) loss ", len(job.out.lines), timeout=timeout)
+        job.out.wait_step(step, len(job.out.lines), timeout=timeout)
         (job.work / "ckpt" / ".filler").unlink()
         return
     if kind == "sigterm":
@@ -501,8 +507,7 @@ def run_job(opts: Options, work: Path) -> Run:
         try:
             for fault in plan:
                 try:
-                    mark, _ = job.out.wait(rf"step (?:{_at_least(fault.step)}) loss ", mark,
-                                           timeout=180)
+                    mark, _ = job.out.wait_step(fault.step, mark, timeout=180)
                 except TimeoutError:
                     if not job.alive():
                         break  # the job ended (the budget spent)
@@ -521,11 +526,6 @@ def run_job(opts: Options, work: Path) -> Run:
     finally:
         if job.mounted:
             subprocess.run(["umount", "-l", str(work / "ckpt")], check=False)
-
-
-def _at_least(step: int) -> str:
-    """A regex alternation of the step numbers from ``step`` up to step + 999."""
-    return "|".join(str(s) for s in range(step, step + 1000))
 
 
 def collect(job: Job, opts: Options, injected: list[Injected], expected: int) -> Run:

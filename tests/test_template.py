@@ -16,7 +16,7 @@ import psutil
 from conftest import TAG_VAR, tagged_processes, wait_no_tagged
 
 PROBE = """
-    import atexit, json, os, random, signal, sys
+    import atexit, gc, json, os, random, signal, sys
     import torch
     rank = os.environ["RANK"]
     atexit.register(lambda: open(os.path.join(sys.argv[1], "atexit_" + rank), "w").close())
@@ -36,6 +36,7 @@ PROBE = """
         "wakeup_fd": signal.set_wakeup_fd(-1),
         "cmdline": cmdline, "comm": comm,
         "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "frozen": gc.get_freeze_count(), "gc_enabled": gc.isenabled(),
     }
     with open(os.path.join(sys.argv[1], "seen_" + rank + ".json"), "w") as f:
         json.dump(seen, f)
@@ -74,6 +75,9 @@ def test_a_forked_rank_is_what_a_fresh_interpreter_would_be(tmp_path, launch):
         assert s["cmdline"].startswith(f"ftlaunch rank {rank}: ") and "probe.py" in s["cmdline"]
         assert s["comm"] == f"rank{rank}-probe.py"[:15]
         assert (tmp_path / f"atexit_{rank}").exists(), "the script's atexit handlers ran"
+        # One difference, on purpose: what the template imported is frozen (its collections
+        # would traverse, and copy, the template's pages); collecting is on, as fresh.
+        assert s["frozen"] > 100_000 and s["gc_enabled"], s
     assert seen[0]["random"] != seen[1]["random"], "Python's random state is not shared"
     assert seen[0]["torch_rand"] != seen[1]["torch_rand"], "nor torch's (seeded as fresh)"
     forked = [e for e in _events(tmp_path) if e["event"] == "started"]
