@@ -152,3 +152,13 @@ def kill_unfinished(runs: list[Launch]) -> None:
         if run.proc.poll() is None:
             run.proc.kill()
             run.proc.wait(10)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (scripts/test.sh runs two workers): a file's tests run on one worker
+    (module fixtures, e.g. a SLURM cluster or a reference run, are made once), and the
+    files that build "machines" on the one host bridge (netns, pods) never run at once."""
+    for item in items:
+        module = item.path.stem
+        group = "host-bridge" if module in ("test_netns", "test_pods") else module
+        item.add_marker(pytest.mark.xdist_group(group))

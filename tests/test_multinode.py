@@ -67,13 +67,13 @@ def _node(launch, port, nnodes, *script_args, extra=(), env=None):
                   *extra, *script_args, env=env)
 
 
-def _train_args(tmp_path, steps=200):
+def _train_args(tmp_path, steps=80):
     return [TRAIN, "--steps", str(steps), "--ckpt-every", "10", "--step-time", "0.03",
             "--log-every", "5", "--ckpt-dir", str(tmp_path / "ckpt"),
             "--out", str(tmp_path / "out.json")]
 
 
-def _two_nodes(launch, tmp_path, nnodes="1:2", steps=200):
+def _two_nodes(launch, tmp_path, nnodes="1:2", steps=80):
     port = _free_port()
     first = _node(launch, port, nnodes, *_train_args(tmp_path, steps))
     _wait_listening(port)
@@ -101,7 +101,7 @@ def test_lost_node_is_acted_on_and_survivor_finishes(tmp_path, launch):
     assert coordinator_node.finish() == 0, coordinator_node.output
     assert "lost (its agent's connection closed)" in coordinator_node.output
     result = json.loads((tmp_path / "out.json").read_text())
-    assert result["restart_count"] == 1 and result["final_step"] == 200
+    assert result["restart_count"] == 1 and result["final_step"] == 80
     assert "start rank 0 world 1" in coordinator_node.output  # re-formed with the node left
 
 
@@ -121,7 +121,7 @@ def test_coordinator_loss_successor_takes_over(tmp_path, launch):
                          r"closed\)", timeout=30)
     assert worker_node.finish() == 0, worker_node.output
     result = json.loads((tmp_path / "out.json").read_text())
-    assert result["restart_count"] == 1 and result["final_step"] == 200
+    assert result["restart_count"] == 1 and result["final_step"] == 80
     assert result["resumed_from"] >= 10  # the checkpoint before the loss, not a fresh start
     # Where the time went: stopping this node's own rank is its phase, before the rendezvous.
     assert re.search(r"ranks back [\d.]+s after the failure \(stop [\d.]+s, rendezvous ",
