@@ -508,7 +508,7 @@ class Agent:
         self._stop(Phase.DONE, exit_codes.DO_NOT_REQUEUE)
 
     def _follow_coordinator(self) -> None:
-        """The coordinator's node went silent: stop our ranks and re-join its successor."""
+        """The coordinator's node is gone: park or stop our ranks, then join its successor."""
         lost = self.control.coordinator_node
         why = "its connection closed" if self.control.connection_lost else \
             f"silent for {self.config.node_timeout:g}s"
@@ -532,8 +532,11 @@ class Agent:
         if self.assignment is None:  # a spare: no ranks to stop, wait under the successor
             self._send_join()
             return
-        self.recovery = self.recovery or PhaseClock()
-        self._stop(Phase.JOINING)
+        # As in a recovery the coordinator orders (the successor starts one on taking over):
+        # ranks that can leave their training function park and resume under the successor,
+        # only the others are stopped; then the node joins it.
+        self._on_recover(messages.Recover(policy=self.policy, restart_count=self.restart_count + 1,
+                                          delay=0.0, cause=f"coordinator node {lost} lost"))
 
     # --- deadlines ---------------------------------------------------------------------
 
@@ -656,8 +659,8 @@ class Agent:
 
     def _stop(self, then: Phase, exit_code: int = 0, ranks: list[Rank] | None = None) -> None:
         """SIGTERM ``ranks`` (default: all, parked ones too), SIGKILL them at the deadline;
-        once all are reaped, go on to ``then`` (BACKING_OFF, JOINING, or DONE with
-        ``exit_code``). Stopping already, the stop widens; leaving outranks re-joining."""
+        once all are reaped, go on to ``then`` (BACKING_OFF, or DONE with ``exit_code``).
+        Stopping already, the stop widens; leaving outranks re-joining."""
         if ranks is None:
             ranks, self.keep = self.workers.alive(), ()  # parked ones go too
         if self.phase == Phase.STOPPING:
@@ -686,10 +689,6 @@ class Agent:
         then, exit_code = self.after_stop
         if then == Phase.DONE:
             self._done(exit_code)
-        elif then == Phase.JOINING:
-            if self.recovery is not None:  # following a successor: the stop is its own phase
-                self.recovery.mark("stop")
-            self._join()
         else:  # a recovery: survivors that parked stay, then back off (or the next order)
             self.parked = {r.local_rank: r for r in self.workers.alive() if r.proc.pid in self.keep}
             assert self.recovery is not None and self.order is not None

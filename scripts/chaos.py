@@ -173,13 +173,18 @@ CAUSES = {  # what a recovery's cause says for each fault kind
 }
 
 
+FAILOVER = re.compile(r"coordinator node (\S+) lost")
+
+
 def recoveries(events: list[dict]) -> list[dict]:
     """The job's recoveries, once each: every node logs the one the coordinator ordered, and
-    each survivor the loss of the coordinator's node (the successor recovers without a
-    ``recovering`` order: policy "failover" here)."""
+    each survivor the loss of the coordinator's node (``coordinator_lost``, then its own
+    ``recovering`` with that cause: one recovery, policy "failover" here)."""
     seen: dict[tuple, dict] = {}
     for e in sorted(events, key=lambda e: e["ts"]):
-        if e["event"] == "recovering":
+        if e["event"] == "recovering" and (m := FAILOVER.fullmatch(e["cause"])):
+            seen.setdefault(("failover", m[1]), {**e, "policy": "failover"})  # survivors' own
+        elif e["event"] == "recovering":
             seen.setdefault((e["restart_count"], e["cause"]), e)
         elif e["event"] == "coordinator_lost" and e["successor"]:
             seen.setdefault(("failover", e["lost"]), {
