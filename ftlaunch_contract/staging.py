@@ -166,34 +166,43 @@ def _map(fd: int, size: int, populate: bool = True) -> mmap.mmap:
 
 
 OWNER_LOCK = ".owner"  # flock'ed by the owning agent for as long as it lives
+JOB_FILE = ".job"  # which job the agent served: only an agent of the same job adopts
 _held_locks: list[int] = []
 
 
-def create_dir() -> Path:
+def create_dir(job: str) -> Path:
     """The agent's staging directory (0700), in /dev/shm when there is one, locked for as
-    long as this process lives. What agents that are gone (SIGKILLed: a pod killed after its
-    grace period) staged on this host is adopted: moved in here, so this node holds it in
-    memory for its ranks' restore and persists what was not durable yet (``flush``)."""
+    long as this process lives. What agents of the same ``job`` that are gone (SIGKILLed: a
+    pod killed after its grace period, a node requeued) staged on this host is adopted:
+    moved in here, so this node holds it in memory for its ranks' restore and persists what
+    was not durable yet (``flush``). Another job's is removed: its shards would be counted
+    as held by this node under the same (world, rank, step), and could never be restored."""
     root = _shm_or_none() or tempfile.gettempdir()
     fresh = Path(tempfile.mkdtemp(prefix=".ftlaunch-new-", dir=root))
     fd = os.open(fresh / OWNER_LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     _held_locks.append(fd)  # released by the kernel when this process is gone, however
+    (fresh / JOB_FILE).write_text(job)
     path = Path(root, f"ftlaunch-staging-{os.getpid()}-{fresh.name.rsplit('-', 1)[1]}")
     fresh.rename(path)  # named only once locked: a sweep never takes it for a dead one's
-    adopt_stale(path)
+    adopt_stale(path, job)
     return path
 
 
-def adopt_stale(into: Path) -> list[str]:
-    """Move the staged shards of agents that are gone into ``into`` (newest first; a name
-    taken already keeps its newer shard), delete the rest of their directories; returns
-    the shard files adopted. Ownership is the directory's lock, so an agent in another PID
-    namespace (a container sharing this /dev/shm) is never taken for a dead one."""
-    adopted = []
+def adopt_stale(into: Path, job: str) -> list[str]:
+    """Move the staged shards of ``job``'s agents that are gone into ``into`` (newest first;
+    a name taken already keeps its newer shard), delete the rest of their directories and
+    those of other jobs' agents that are gone; returns the shard files adopted. Ownership is
+    the directory's lock, so an agent in another PID namespace (a container sharing this
+    /dev/shm) is never taken for a dead one."""
+    adopted, foreign = [], 0
     stale = [entry for entry in Path(into.parent).glob("ftlaunch-staging-*-*")
              if entry != into and _owner_gone(entry)]
     for entry in sorted(stale, key=_newest_meta, reverse=True):
+        if _job_of(entry) != job:
+            foreign += 1
+            shutil.rmtree(entry, ignore_errors=True)
+            continue
         for sub in ("", "replicas"):
             (into / sub).mkdir(exist_ok=True)
             for meta in sorted(Path(entry, sub).glob("rank_*.*.meta")):
@@ -208,7 +217,16 @@ def adopt_stale(into: Path) -> list[str]:
     if adopted:
         log.warning("adopted %d staged checkpoint shard(s) of agents gone from this host: %s",
                     len(adopted), ", ".join(adopted))
+    if foreign:
+        log.info("removed the staging of %d agent(s) of other jobs gone from this host", foreign)
     return adopted
+
+
+def _job_of(entry: Path) -> str | None:
+    try:
+        return (entry / JOB_FILE).read_text()
+    except OSError:
+        return None  # made before jobs were recorded: another job's, for all we know
 
 
 def _owner_gone(entry: Path) -> bool:

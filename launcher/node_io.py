@@ -99,7 +99,7 @@ class NodeIO:
                                    for sig in config.signals()}
         self.health, why = HealthMonitor.start(config.health_interval)
         self.events.emit("gpu_health_monitor", why, active=self.health is not None)
-        self.staging_dir = staging.create_dir()  # checkpoint staging that outlives ranks
+        self.staging_dir = staging.create_dir(plan.job_key)  # staging that outlives ranks
         self.hub = RankHub(self.context, self.staging_dir)
         self.replicas = replica_service.ReplicaService(
             self.context, plan.secret, plan.node_id, plan.addr, self.staging_dir,

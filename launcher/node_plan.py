@@ -65,6 +65,14 @@ class NodePlan:
                                        config.section_timeout_map(),
                                        config.hang_timeout_factor))
 
+    @property
+    def job_key(self) -> str:
+        """What the agents of this job, and only they, share on any host: its run id and
+        where its nodes meet (a re-created pod or a requeued node has both; another job
+        with the same --rdzv-id meets elsewhere, and a standalone run's id is fresh)."""
+        return self.run_id if self.endpoint is None else \
+            f"{self.run_id}@{self.endpoint[0]}:{self.endpoint[1]}"
+
     def job_state(self) -> JobState:
         """A fresh coordinator state (every node derives the same)."""
         c = self.config

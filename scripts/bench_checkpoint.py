@@ -124,8 +124,9 @@ def _checkpointer(root: Path):
     from trainer_shim.checkpoint import AsyncCheckpointer
 
     if root not in _CHECKPOINTERS:
-        _CHECKPOINTERS[root] = (AsyncCheckpointer(root / "ftlaunch", keep_last=1,
-                                                  staging_dir=str(staging.create_dir())))
+        shm = staging.create_dir(f"bench-{os.getpid()}")
+        _CHECKPOINTERS[root] = AsyncCheckpointer(root / "ftlaunch", keep_last=1,
+                                                 staging_dir=str(shm))
     return _CHECKPOINTERS[root]
 
 
@@ -163,7 +164,8 @@ service.close()
         from ftlaunch_contract import staging
 
         root = str(Path(__file__).resolve().parents[1])
-        self.holder_dir = holder_dir = staging.create_dir()  # the other node's /dev/shm
+        # the other node's /dev/shm
+        self.holder_dir = holder_dir = staging.create_dir(f"bench-holder-{os.getpid()}")
         self.procs = [subprocess.Popen([sys.executable, "-c", self.SERVICE, root, name, str(d),
                                         str(bw)], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, text=True)

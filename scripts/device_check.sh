@@ -21,11 +21,11 @@ b.close()
 PY
 "$PY" -m launcher doctor --json > "$OUT/doctor.json"; echo "doctor exit $?" | tee -a "$OUT/doctor.json"
 "$PY" - <<'PY' 2>&1 | tee "$OUT/cuda_checkpoint.txt"
-import tempfile, time, torch
+import os, tempfile, time, torch
 from ftlaunch_contract import staging
 from trainer_shim.checkpoint import AsyncCheckpointer
 state = {f"t{i}": torch.randn(64 << 20, device="cuda") for i in range(16)}  # 4 GiB
-root, shm = tempfile.mkdtemp(), staging.create_dir()
+root, shm = tempfile.mkdtemp(), staging.create_dir(f"device-check-{os.getpid()}")
 ckpt = AsyncCheckpointer(root, staging_dir=str(shm))
 for step in (1, 2, 3):
     torch.cuda.synchronize(); t0 = time.perf_counter()

@@ -304,26 +304,35 @@ def test_keep_every_mth_step_beside_the_last_k(tmp_path):
     ckpt.close()
 
 
-def test_staging_left_by_a_killed_agent_is_adopted(tmp_path):
+def test_staging_left_by_a_killed_agent_is_adopted_by_an_agent_of_its_job_only(tmp_path):
     """An agent SIGKILLed (a pod after its grace period) leaves its staged shards: the next
-    agent on the host moves them into its own staging (held in memory, flushed at exit)
-    and removes the rest."""
+    agent of the same job on the host moves them into its own staging (held in memory,
+    flushed at exit) and removes the rest. Another job's are removed, never adopted: they
+    would be counted as held by this node under the same (world, rank, step) as its own,
+    and no rank of this job can restore them (a later job then restored nothing)."""
     from ftlaunch_contract import staging
 
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    stale = os.path.join("/dev/shm", f"ftlaunch-staging-{dead.pid}-test")
-    os.makedirs(os.path.join(stale, "replicas"))
-    for name, body in (("rank_0.0.data", b"x" * 10), ("rank_0.0.meta", b"m"),
-                       ("rank_1.1.data", b"orphan data, no meta: never adopted"),
-                       ("replicas/rank_5.0.data", b"y"), ("replicas/rank_5.0.meta", b"n")):
-        with open(os.path.join(stale, name), "wb") as f:
-            f.write(body)
-    mine = staging.create_dir()
+    def left_by_a_dead_agent(name, job):
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        stale = os.path.join("/dev/shm", f"ftlaunch-staging-{dead.pid}-{name}")
+        os.makedirs(os.path.join(stale, "replicas"))
+        for file, body in ((staging.JOB_FILE, job.encode()),
+                           ("rank_0.0.data", name.encode() * 10), ("rank_0.0.meta", b"m"),
+                           ("rank_1.1.data", b"orphan data, no meta: never adopted"),
+                           ("replicas/rank_5.0.data", b"y"), ("replicas/rank_5.0.meta", b"n")):
+            with open(os.path.join(stale, file), "wb") as f:
+                f.write(body)
+        return stale
+
+    same_job = left_by_a_dead_agent("same", "job@10.0.0.1:29400")
+    other_job = left_by_a_dead_agent("other", "job@10.0.0.9:29400")  # newer: it would win
+    os.utime(os.path.join(other_job, "rank_0.0.meta"), (time.time() + 60,) * 2)
+    mine = staging.create_dir("job@10.0.0.1:29400")
     try:
-        assert not os.path.exists(stale)
+        assert not os.path.exists(same_job) and not os.path.exists(other_job)
         assert mine.is_dir() and oct(mine.stat().st_mode & 0o777) == "0o700"
-        assert (mine / "rank_0.0.data").read_bytes() == b"x" * 10
+        assert (mine / "rank_0.0.data").read_bytes() == b"same" * 10
         assert (mine / "replicas" / "rank_5.0.meta").read_bytes() == b"n"
         assert not (mine / "rank_1.1.data").exists()
     finally:
@@ -346,7 +355,7 @@ def test_a_live_agents_staging_is_never_taken_for_a_dead_ones(tmp_path):
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        mine = staging.create_dir()
+        mine = staging.create_dir("a job of its own")
         shutil.rmtree(mine)
         assert os.path.exists(os.path.join(other, "rank_0.0.data"))
     finally:

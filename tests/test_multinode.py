@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import signal
 import socket
 import time
 
@@ -58,6 +59,19 @@ def _wait_in_memory(log_dir, step: int, after: float = 0.0, timeout: float = 90)
                     return event["step"]
         time.sleep(0.05)  # a file another process appends to: no event to wait on
     pytest.fail(f"no step >= {step} held in a peer's memory within {timeout}s")
+
+
+def _pause(run, seconds: float) -> None:
+    """Freeze a node (its agent and every process under it) for ``seconds``: SIGSTOP, SIGCONT."""
+    agent = psutil.Process(run.proc.pid)
+    frozen = [agent, *agent.children(recursive=True)]
+    for p in frozen:
+        with contextlib.suppress(psutil.NoSuchProcess):  # a rank may be exiting just now
+            p.send_signal(signal.SIGSTOP)
+    time.sleep(seconds)  # the experiment is a pause of this length, not a synchronisation
+    for p in frozen:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGCONT)
 
 
 def _node(launch, port, nnodes, *script_args, extra=(), env=None):
@@ -244,11 +258,19 @@ def test_fsdp_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(tmp_path,
         _wait_in_memory(logs, resumed + 10, after=shrunk_at)  # the 2-node world's, then a join
         nodes.append(_node(launch, port, "2:3", *args, extra=extra[3]))
         everyone.append(nodes[-1])
+        # A node starved past the node timeout while the round that grows the job forms (a
+        # loaded host, a VM paused): it is dropped, wakes and comes back in.
+        nodes[0].wait_for(r"joined: scaling up to 3 nodes")
+        _pause(nodes[1], seconds=3.5)  # > --node-timeout 2
         grown = nodes[-1].wait_for(r"world 3 pid \d+ resume_from \d+ \((.*), resharded from "
                                    r"2 ranks\)", timeout=90)
     assert grown.group(1).startswith("peer memory"), grown.group(0)  # it held nothing
     for run in nodes:
         assert run.finish() == 0, run.output
+    assert re.search(r"node \S+ lost: no heartbeat for", nodes[0].output), nodes[0].output
+    # Back in (re-joining as dropped, or seated from spare if the grown round had formed
+    # without it): it trains in the world of 3 again, from a restored step.
+    assert re.search(r"world 3 pid \d+ resume_from [1-9]", nodes[1].output), nodes[1].output
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["final_step"] == 120
 
