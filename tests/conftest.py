@@ -154,12 +154,6 @@ def kill_unfinished(runs: list[Launch]) -> None:
             run.proc.wait(10)
 
 
-LONGEST_FIRST = ("test_recovery", "test_multinode", "test_netns", "test_pods", "test_slurm",
-                 "test_checkpoint", "test_launch", "test_chaos", "test_gpu_health")
-"""The files that take longest, longest first: workers take files in this order, so neither
-is left with a long one at the end while the other idles."""
-
-
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (scripts/test.sh runs two workers): a file's tests run on one worker
     (module fixtures, e.g. a SLURM cluster or a reference run, are made once), and the
@@ -168,5 +162,3 @@ def pytest_collection_modifyitems(config, items):
         module = item.path.stem
         group = "host-bridge" if module in ("test_netns", "test_pods") else module
         item.add_marker(pytest.mark.xdist_group(group))
-    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: files' own order
