@@ -15,9 +15,14 @@ if [ "$(id -u)" = 0 ] && ! { command -v ip && command -v iptables && command -v 
             "tests will skip" >&2
 fi
 ruff check ftlaunch_contract launcher trainer_shim scripts tests
-mypy  # configured in pyproject.toml: strict on the contract and the pure decisions
+mypy > "$ROOT/.mypy.out" 2>&1 &  # pyproject.toml: strict on the contract and the decisions;
+MYPY=$!                          # beside the tests, which leave a core idle part of the time
 # Two workers (pytest-xdist; a file's tests stay on one, tests/conftest.py): most of an
 # end-to-end test is waiting on real processes, so two at once fill the two cores without
 # starving either (one worker: 11.5 min here, two: 8.7). `-n 0` runs them one by one.
 # --durations: the slowest tests; the suite must stay under 10 min.
-"$PY" -m pytest -q -n 2 --dist loadgroup --durations=12 "$@"
+status=0
+"$PY" -m pytest -q -n 2 --dist loadgroup --durations=12 "$@" || status=$?
+wait "$MYPY" || { cat "$ROOT/.mypy.out"; exit 1; }
+tail -1 "$ROOT/.mypy.out"
+exit "$status"

@@ -261,7 +261,7 @@ def test_fsdp_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(tmp_path,
         # A node starved past the node timeout while the round that grows the job forms (a
         # loaded host, a VM paused): it is dropped, wakes and comes back in.
         nodes[0].wait_for(r"joined: scaling up to 3 nodes")
-        _pause(nodes[1], seconds=3.5)  # > --node-timeout 2
+        _pause(nodes[1], seconds=3.0)  # > --node-timeout 2
         grown = nodes[-1].wait_for(r"world 3 pid \d+ resume_from \d+ \((.*), resharded from "
                                    r"2 ranks\)", timeout=90)
     assert grown.group(1).startswith("peer memory"), grown.group(0)  # it held nothing
