@@ -345,7 +345,8 @@ class Agent:
             self._stop_progress()
         elif self.phase == Phase.PARKING:
             self._try_park(self.clock())
-        elif self.phase == Phase.RUNNING:
+        elif self.phase == Phase.RUNNING or (self.phase == Phase.FAILED
+                                             and self._behind_the_peer_error(exit_.failure)):
             if exit_.failure is not None:
                 self._report_failure(exit_.failure)
             elif not self.workers.alive():
@@ -392,10 +393,18 @@ class Agent:
                              at=round(self.hub.best_step_at, 3))
             self.progress_step, self.progress_at = step, clock + PROGRESS_EVERY
 
+    def _behind_the_peer_error(self, failure: failures.RankFailure | None) -> bool:
+        """Whether ``failure`` is what the attempt's first one, a peer's error (a collective's
+        connection reset), followed from: a rank of this node that died just after its peer
+        reported the reset. The coordinator waits a moment for it, to name it."""
+        first = self.first_failure
+        return failure is not None and first is not None and \
+            failures.is_peer_error(first.cause) and not failures.is_peer_error(failure.cause)
+
     def _report_failure(self, failure: failures.RankFailure) -> None:
-        """An attempt's first failure goes to the coordinator, which orders the recovery."""
-        self.first_failure = failure
-        self.recovery = PhaseClock()
+        """An attempt's first failure goes to the coordinator, which orders the recovery
+        (and the failure behind it, if the first read as a peer's error)."""
+        self.recovery = self.recovery or PhaseClock()
         self._note_progress(self.clock(), now=True)
         self.events.emit("rank_failed", f"rank {failure.rank} {failure.cause}",
                          rank=failure.rank, local_rank=failure.local_rank,
@@ -405,7 +414,9 @@ class Agent:
             node_id=self.plan.node_id, rank=failure.rank, local_rank=failure.local_rank,
             exit_code=failure.exit_code, signal=failure.signal, cause=failure.cause,
             step=self.hub.best_step))
-        self._enter(Phase.FAILED)
+        self.first_failure = failure  # the one behind a peer's error replaces it
+        if self.phase != Phase.FAILED:
+            self._enter(Phase.FAILED)
 
     def _check_hangs(self, now: float) -> None:
         """Capture a hung rank's stacks, then kill it: its exit is then a failure like any."""

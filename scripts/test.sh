@@ -19,7 +19,7 @@ mypy > "$ROOT/.mypy.out" 2>&1 &  # pyproject.toml: strict on the contract and th
 MYPY=$!                          # beside the tests, which leave a core idle part of the time
 # Two workers (pytest-xdist; a file's tests stay on one, tests/conftest.py): most of an
 # end-to-end test is waiting on real processes, so two at once fill the two cores without
-# starving either (one worker: 11.5 min here, two: 8.7). `-n 0` runs them one by one.
+# starving either (pytest here: 11.5 min on one, 8-9.5 on two). `-n 0`: one by one.
 # --durations: the slowest tests; the suite must stay under 10 min.
 status=0
 "$PY" -m pytest -q -n 2 --dist loadgroup --durations=12 "$@" || status=$?

@@ -282,8 +282,12 @@ class AgentMachine(RuleBasedStateMachine):
         if kind == "join":
             assert unreaped <= parked, "re-joined before the ranks it stopped were reaped"
             self.joins_pending += 1
-        elif kind == "failure":  # the first of an attempt only: the agent then waits
-            assert self.agent.phase == Phase.RUNNING, f"reported a failure in {self.agent.phase}"
+        elif kind == "failure":  # the first of an attempt, and the one behind a peer's error
+            first = self.agent.first_failure
+            assert self.agent.phase == Phase.RUNNING or (
+                self.agent.phase == Phase.FAILED and first is not None
+                and failures.is_peer_error(first.cause)), \
+                f"reported a failure in {self.agent.phase}"
 
     # --- the coordinator -----------------------------------------------------------------
 
@@ -556,3 +560,19 @@ def test_a_finished_node_that_loses_its_coordinator_ends_with_0():
     machine.agent.on_timers(machine.now)
     assert machine.agent.phase == Phase.DONE and machine.agent.exit_code == exit_codes.OK
     assert machine.control.lost, "no fail-over to a successor"
+
+
+def test_a_rank_that_dies_after_its_peer_reported_the_reset_is_reported_too():
+    """One node: a rank killed resets its peer's collective, and the peer's error may reach
+    the agent before the killed rank's exit. The exit is reported too, so the coordinator
+    (which waits a moment after a peer's error) names the rank that died."""
+    machine = AgentMachine()
+    machine.maybe_running(running=True, restartable=False)
+    killed, peer = machine.workers.alive()[:2]
+    peer.dead, peer.cause = 1, "raised RuntimeError: Read error: Connection reset by peer"
+    machine.agent.on_rank_exit(machine.workers.reap(peer))
+    killed.dead = -11
+    machine.agent.on_rank_exit(machine.workers.reap(killed))
+    reported = [m for m in machine.control.sent if m.TYPE == "failure"]
+    assert [m.rank for m in reported] == [peer.rank, killed.rank], reported
+    assert "SIGSEGV" in reported[1].cause and machine.agent.phase == Phase.FAILED
