@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from launcher import goodput
+from launcher import failures, goodput
 
 CAUSE_KINDS = (  # low-cardinality labels for restarts, from the recovery's cause; in order
     ("coordinator_lost", re.compile(r"coordinator node \S+ lost")),
@@ -47,7 +47,9 @@ class Metrics:
         self.restarts = Counter("ftlaunch_restarts", "Recoveries ordered, by cause and policy.",
                                 ["cause", "policy"], registry=r)
         self.rank_failures = Counter("ftlaunch_rank_failures", "Ranks of this node that failed "
-                                     "(exited, were killed, raised or hung).", registry=r)
+                                     "(exited, were killed, raised or hung), not counting a "
+                                     "rank that raised only because a peer died under it.",
+                                     registry=r)
         self.recovery = Histogram("ftlaunch_recovery_seconds", "Failure to ranks back.",
                                   buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
                                   registry=r)
@@ -91,8 +93,8 @@ class Metrics:
         if kind == "recovering":
             self.restarts.labels(cause_kind(record.get("cause", "")),
                                  record.get("policy", "")).inc()
-        elif kind == "rank_failed":
-            self.rank_failures.inc()
+        elif kind == "rank_failed" and not failures.is_peer_error(record.get("cause", "")):
+            self.rank_failures.inc()  # the peer's own failure is counted where it happened
         elif kind == "recovered":
             self.recovery.observe(record.get("seconds", 0.0))
         elif kind == "progress":

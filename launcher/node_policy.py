@@ -40,7 +40,7 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     _P.FAILED: frozenset({_P.PARKING, *_ABORT}),
     _P.FINISHED: frozenset({_P.PARKING, *_ABORT}),
     _P.PARKING: frozenset({*_ABORT}),
-    _P.STOPPING: frozenset({_P.BACKING_OFF, _P.JOINING, _P.PARKING, _P.DONE, _P.LEAVING}),
+    _P.STOPPING: frozenset({_P.BACKING_OFF, _P.PARKING, _P.DONE, _P.LEAVING}),
     _P.BACKING_OFF: frozenset({_P.JOINING, _P.PARKING, *_ABORT}),
     _P.LEAVING: frozenset({_P.DONE}),
     _P.DONE: frozenset(),

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from conftest import SCRIPTS
 
-from launcher.metrics import cause_kind
+from launcher.metrics import Metrics, cause_kind
 
 
 def _free_port() -> int:
@@ -67,6 +67,21 @@ def test_a_port_in_use_is_a_clear_usage_error(tmp_path, launch):
         assert run.finish(60) == 2, run.output
     assert f"ftlaunch: error: --metrics-port {port}: Address already in use; pick a free " \
         "port" in run.output
+
+
+def test_a_peer_that_raised_because_a_rank_died_is_not_a_second_rank_failure():
+    """A SIGKILLed rank resets its peer's collective; the peer's "Connection reset by peer"
+    can reach the agent first, and both are logged. One rank failed."""
+    metrics = Metrics(port=0, addr="127.0.0.1")
+    try:
+        for ts, cause in ((1.0, "raised RuntimeError: [gloo] Connection reset by peer"),
+                          (1.1, "was killed by SIGKILL")):
+            metrics.on_event({"event": "rank_failed", "ts": ts, "cause": cause})
+        metrics.on_event({"event": "recovering", "ts": 1.2, "cause": "rank 1 was killed",
+                          "policy": "rank"})
+        assert metrics.rank_failures._value.get() == 1
+    finally:
+        metrics.close()
 
 
 @pytest.mark.parametrize("cause, kind", [
