@@ -92,7 +92,8 @@ def launcher_argv(name, nproc, run_dir, max_restarts, nvrx):
     raise ValueError(name)
 
 
-def script_args(script, variant, run_dir, ckpt_every, step_time, persist_every=1):
+def script_args(script, variant, run_dir, ckpt_every, step_time, persist_every=1,
+                overlap=False):
     ckpt = run_dir / "ckpt"
     if script == "ddp_minimal":
         return [str(SCRIPTS[script]), "--epochs", "100000", "--snapshot", str(run_dir / "snap.pt"),
@@ -101,6 +102,7 @@ def script_args(script, variant, run_dir, ckpt_every, step_time, persist_every=1
             "--ckpt-every", str(ckpt_every), "--step-time", str(step_time)]
     if variant == "shim":
         argv += ["--shim", "--async-ckpt", "--persist-every", str(persist_every)]
+        argv += ["--overlap-ckpt"] if overlap else []
     return argv
 
 
@@ -254,7 +256,7 @@ def goodput_run(launcher, variant, every, args, run_dir, rng):
         return {"launcher": launcher, "variant": variant, "every_s": every, "skipped": skip}
     ckpt_every = args.shim_ckpt_every if variant == "shim" else args.ckpt_every
     cmd = argv + script_args("train_gpt", variant, run_dir, ckpt_every, args.step_time,
-                             args.shim_persist_every)
+                             args.shim_persist_every, not args.shim_no_overlap)
     wall = args.minutes * 60
     load_before = os.getloadavg()
     job = Job(cmd, env, run_dir)
@@ -491,6 +493,9 @@ def main():
                    help="shim: AsyncCheckpointer saves (staged in shared memory) every K steps")
     p.add_argument("--shim-persist-every", type=int, default=50,
                    help="shim: of the saved steps, persist multiples of this to --ckpt-dir")
+    p.add_argument("--shim-no-overlap", action="store_true",
+                   help="shim: copy each save in the training thread (default: overlap=True, "
+                   "the copy beside the next step)")
     p.add_argument("--step-time", type=float, default=0.1,
                    help="the script's extra sleep per step (a stand-in for device time)")
     p.add_argument("--seed", type=int, default=0)

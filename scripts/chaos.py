@@ -240,6 +240,7 @@ class Options:
     budget: int | None = None  # --max-restarts; default: enough for every fault
     work: Path | None = None
     verbose: bool = False
+    overlap: bool = False  # saves copied beside the next step (AsyncCheckpointer overlap=True)
 
     @property
     def world(self) -> int:
@@ -254,6 +255,7 @@ class Options:
 
     def train_args(self, work: Path) -> list[str]:
         return [str(TRAIN), "--shim", "--async-ckpt", *(["--fsdp"] if self.fsdp else []),
+                *(["--overlap-ckpt"] if self.overlap else []),
                 "--steps", str(self.steps()), "--ckpt-every", str(CKPT_EVERY),
                 "--step-time", "0.02", "--log-every", "1", "--exact-loss",
                 "--seed", "0", "--ckpt-dir", str(work / "ckpt"), "--out", str(work / "out.json")]
@@ -671,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=1, choices=(1, 2, 3))
     p.add_argument("--nproc", type=int, default=2, help="ranks per node")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP")
+    p.add_argument("--overlap-ckpt", action="store_true",
+                   help="the job's saves copied beside the next step (overlap=True)")
     p.add_argument("--kinds", default=",".join(k for k in KINDS if k != "disk" or os.geteuid() == 0),
                    help="fault kinds to draw from (disk: as root)")
     p.add_argument("--budget", type=int, default=None, help="--max-restarts (default: enough)")
@@ -685,7 +689,8 @@ def main(argv: list[str] | None = None) -> int:
     runs, failed = [], 0
     for seed in range(args.seed, args.seed + max(1, args.campaign)):
         opts = Options(seed, args.faults, args.nodes, args.nproc, args.fsdp, kinds, args.budget,
-                       args.work if not args.campaign else None, args.verbose)
+                       args.work if not args.campaign else None, args.verbose,
+                       args.overlap_ckpt)
         try:
             run, verdict = one_run(opts)
         except Exception as e:  # the runner's own failure: this run counts as broken

@@ -191,6 +191,8 @@ def parse_args():
                    help="checkpoint with trainer_shim's AsyncCheckpointer (every rank its own)")
     p.add_argument("--persist-every", type=int, default=1,
                    help="with --async-ckpt: persist steps that are multiples of this, stage all")
+    p.add_argument("--overlap-ckpt", action="store_true",
+                   help="with --async-ckpt: copy each save beside the next step (overlap=True)")
     p.add_argument("--step-time", type=float, default=0.0, help="extra sleep per step (s)")
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--exact-loss", action="store_true",
@@ -238,7 +240,8 @@ def train(ctx, args, shim):
     if args.async_ckpt and args.ckpt_dir:
         from trainer_shim.checkpoint import AsyncCheckpointer, DistributedState
 
-        checkpointer = AsyncCheckpointer(args.ckpt_dir, persist_every=args.persist_every)
+        checkpointer = AsyncCheckpointer(args.ckpt_dir, persist_every=args.persist_every,
+                                         overlap=args.overlap_ckpt)
         if args.fsdp:
             train_state = {"train": DistributedState(model, opt)}
         extra = {}

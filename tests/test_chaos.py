@@ -140,7 +140,8 @@ def test_a_coordinator_loss_counts_once_however_many_survivors_log_it():
 
 @pytest.mark.parametrize("args", [
     ["--seed", "3", "--faults", "4", "--nodes", "1", "--nproc", "2",
-     "--kinds", "kill,segv,exception,stop,writer,disk"],  # segv, exception, disk, writer
+     "--kinds", "kill,segv,exception,stop,writer,disk", "--overlap-ckpt"],  # segv, exception,
+    # disk, writer; the saves overlapped with training
     ["--seed", "23", "--faults", "4", "--nodes", "2", "--nproc", "1", "--fsdp",
      "--kinds", "exception,spin,node,coordinator,sigterm"],  # node, exception, coordinator, sigterm
 ], ids=["one-node-ddp", "two-nodes-fsdp"])

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -73,6 +74,73 @@ def test_save_returns_before_the_data_is_durable_and_the_copy_is_a_snapshot(tmp_
     restored: dict = {}
     assert ckpt.load_latest(state=restored) == 1
     assert torch.count_nonzero(restored["w"]) == 0, "the staged copy, not the live tensor"
+    ckpt.close()
+
+
+@pytest.fixture
+def copy_gate(monkeypatch):
+    """Holds every staging copy until set: what an overlapped save's copy races against
+    is then in the test's hands."""
+    import trainer_shim.checkpoint as checkpoint
+    gate, stage = threading.Event(), checkpoint._stage
+
+    def gated(*args):
+        assert gate.wait(60)
+        return stage(*args)
+    monkeypatch.setattr(checkpoint, "_stage", gated)
+    yield gate
+    gate.set()  # a failed test leaves no copy waiting
+
+
+def test_an_overlapped_save_is_copied_before_the_optimizer_steps(tmp_path, copy_gate):
+    model, opt = _model_and_optimizer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt = AsyncCheckpointer(tmp_path, overlap=True)
+    ckpt.save(1, model=model, optim=opt)  # returns with the copy not yet begun
+    model(torch.randn(3, 8)).sum().backward()  # forward and backward leave the state as it is
+    stepper = threading.Thread(target=opt.step)
+    stepper.start()
+    stepper.join(0.3)
+    assert stepper.is_alive(), "the optimizer's step waits for the copy"
+    copy_gate.set()
+    stepper.join(10)
+    assert not stepper.is_alive()
+    assert not _same(before, model.state_dict()), "the step ran once the copy was whole"
+    ckpt.wait()
+    restored = {k: torch.empty_like(v) for k, v in before.items()}
+    assert ckpt.load_latest(model=restored) == 1
+    assert _same(before, restored), "the copy holds the state the save was called with"
+    ckpt.close()
+    assert not [t for t in threading.enumerate() if t.name == "ftlaunch-ckpt-copy"]
+
+
+def test_a_state_changed_outside_the_optimizer_during_an_overlapped_copy_is_not_saved(
+        tmp_path, copy_gate):
+    model, opt = _model_and_optimizer()
+    ckpt = AsyncCheckpointer(tmp_path, overlap=True)
+    ckpt.save(1, model=model, optim=opt)
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # not the optimizer: nothing waits for the copy here
+    copy_gate.set()
+    with pytest.raises(CheckpointError, match=r"step 1 not saved: its tensor #0 was changed "
+                       r"while it was being copied .* save with overlap=False"):
+        ckpt.wait()
+    assert ckpt.staged_steps() == {} and ckpt.latest_step() is None, "nothing torn is kept"
+    ckpt.save(2, model=model, optim=opt)  # the next save is whole
+    ckpt.wait()
+    assert ckpt.latest_step() == 2
+    ckpt.close()
+
+
+def test_an_overlapped_save_without_an_optimizer_copies_at_once(tmp_path, copy_gate):
+    copy_gate.set()
+    weights = {"w": torch.zeros(4)}
+    ckpt = AsyncCheckpointer(tmp_path, overlap=True)
+    ckpt.save(1, state=weights)  # nothing would wait for the copy: it is made here
+    weights["w"].fill_(7.0)
+    ckpt.wait()
+    restored: dict = {}
+    assert ckpt.load_latest(state=restored) == 1 and torch.count_nonzero(restored["w"]) == 0
     ckpt.close()
 
 

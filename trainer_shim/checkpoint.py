@@ -7,6 +7,10 @@ once every rank's shard is durable. ``load_latest`` loads the newest step *every
 holds, in staging or committed on storage (the ranks agree through one small collective),
 verifies checksums of what comes from storage and falls back past a damaged step; a
 replacement rank on the same node restores from shared memory without touching storage.
+
+With ``overlap=True`` the copy itself runs beside training: ``save`` returns once it has
+taken the state's structure, and the optimizer's next ``step`` waits for the copy (a
+pre-step hook), the one place the saved tensors change in a training loop.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ import errno
 import logging
 import mmap
 import os
+import queue
 import sys
 import threading
 import time
 import weakref
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +63,8 @@ class AsyncCheckpointer:
 
     def __init__(self, uri: str | os.PathLike, *, rank: int | None = None,
                  world_size: int | None = None, keep_last: int = 3, keep_every: int = 0,
-                 persist_every: int = 1, staging_dir: str | None = None):
+                 persist_every: int = 1, staging_dir: str | None = None,
+                 overlap: bool = False):
         text = os.fspath(uri)
         self.uri = text if text.startswith("s3://") else os.path.abspath(text)
         self.storage = open_storage(self.uri)
@@ -67,6 +73,10 @@ class AsyncCheckpointer:
         if persist_every < 1 or keep_last < 0 or keep_every < 0:
             raise CheckpointError("persist_every must be >= 1, keep_last and keep_every >= 0")
         self.keep_last, self.keep_every, self.persist_every = keep_last, keep_every, persist_every
+        self.overlap = overlap
+        self._copier: _Copier | None = None  # overlap: the thread that copies saves in
+        self._in_flight: _InFlight | None = None  # overlap: a save being copied
+        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         directory = staging_dir or os.environ.get(environment.STAGING)
         self._staging = Path(directory) if directory else None  # None: anonymous slots
         self._slots = [Slot(directory, self.rank, k) for k in range(SLOTS)]
@@ -92,44 +102,94 @@ class AsyncCheckpointer:
     # --- saving --------------------------------------------------------------------------
 
     def save(self, step: int, **state: Any) -> None:
-        """Stage a copy of ``state`` (returns then) and persist it in the background."""
+        """Stage a copy of ``state`` (returns then; with ``overlap``, once the copy has
+        begun) and persist it in the background."""
         began = time.monotonic()
+        self._finish_copy()
         self._raise_writer_error()
         tensors: list[torch.Tensor] = []
-        tree = _encode({k: _state_of(v) for k, v in state.items()}, tensors)
+        tree = _encode({k: _state_of(v) for k, v in state.items()}, tensors, _dtensor_type())
         index = self._next_slot
         self._next_slot ^= 1
         busy = self._busy[index]
         if busy is not None:
             busy.wait()  # the writer still persists this slot's previous save
         slot = self._slots[index]
-        slot.invalidate()
         sizes = [t.numel() * t.element_size() for t in tensors]
         try:
-            slot.ensure(sum(_aligned(n) for n in sizes))
+            slot.ensure(sum(map(_aligned, sizes)))
         except StagingFull as e:
             raise CheckpointError(f"step {step} not saved: {e.strerror}") from None
+        optimizers = _optimizers(state.values())
+        if self.overlap and optimizers and not any(t.is_cuda for t in tensors):
+            for optimizer in optimizers:
+                if optimizer not in self._hooked:
+                    optimizer.register_step_pre_hook(_finish_copy_hook(self))
+                    self._hooked.add(optimizer)
+            flight = _InFlight(index, step, began, [t._version for t in tensors])
+            self._copier = self._copier or _Copier()
+            self._copier.copy(lambda: self._copy(slot, step, tree, tensors, sizes, flight),
+                              flight)
+            self._in_flight, flight.blocked = flight, time.monotonic() - began
+        else:
+            meta = self._copy(slot, step, tree, tensors, sizes)
+            self._staged(index, meta, time.monotonic() - began, began)
+
+    def _copy(self, slot: Slot, step: int, tree: Any, tensors: list[torch.Tensor],
+              sizes: list[int], flight: _InFlight | None = None) -> dict[str, Any]:
+        """Copy the tensors into ``slot`` and seal it (in the caller's thread, or the
+        copier's): from then on the copy survives this process."""
+        slot.invalidate()  # (growing it kept the previous save whole until now)
         entries = _stage(slot, tensors, sizes)
+        if flight is not None and flight.versions != [t._version for t in tensors]:
+            changed = next(i for i, t in enumerate(tensors) if t._version != flight.versions[i])
+            raise CheckpointError(
+                f"step {step} not saved: its tensor #{changed} was changed while it was being "
+                "copied (overlap=True lets the state change only in its optimizer's step); "
+                "save with overlap=False")
         meta = {"step": step, "rank": self.rank, "world_size": self.world_size,
                 "save_id": os.urandom(8).hex(),  # tells this save from another of the step
                 "history": _history(),
                 "dest": self.uri, "tree": tree, "tensors": entries,
                 "nbytes": entries[-1]["offset"] + entries[-1]["nbytes"] if entries else 0}
-        slot.seal(meta)  # from here on the copy survives this process
-        # The agent copies it to a peer's memory; the seconds are this save's stall.
-        _tell_agent(ShardStaged, self.rank, step, time.monotonic() - began)
-        if step % self.persist_every == 0:
+        slot.seal(meta)
+        if flight is not None:
+            flight.meta = meta
+        return meta
+
+    def _staged(self, index: int, meta: dict[str, Any], stall: float, began: float) -> None:
+        """A save is sealed: the agent copies it to a peer's memory (``stall``: how long
+        training waited for it), the writer persists it if due."""
+        _tell_agent(ShardStaged, self.rank, meta["step"], stall)
+        if meta["step"] % self.persist_every == 0:
             self._persist_in_background(index, meta, began)
+        buffer = self._slots[index].buffer
         if self._slots[index ^ 1].buffer is None and self._busy[index ^ 1] is None:
-            assert slot.buffer is not None  # ensured above
-            self._size_in_background(index ^ 1, len(slot.buffer))
+            assert buffer is not None  # ensured by the save
+            self._size_in_background(index ^ 1, len(buffer))
+
+    def _finish_copy(self) -> None:
+        """Wait for an overlapped save's copy (before anything reads the slots or changes
+        the state); its error, if any, is raised as a writer's is."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        waited = time.monotonic()
+        flight.done.wait()
+        if flight.error is not None:
+            self._error = self._error or flight.error
+        else:
+            assert flight.meta is not None
+            self._staged(flight.index, flight.meta,
+                         flight.blocked + time.monotonic() - waited, flight.began)
 
     def reserve(self, **state: Any) -> threading.Event:
         """Size both staging slots for saves of ``state`` in the background (``load_latest``
         does it for the state it restores): the first save then only copies, instead of
         also allocating and mapping staging memory. Returns an event set once done."""
+        self._finish_copy()
         tensors: list[torch.Tensor] = []
-        _encode({k: _state_of(v) for k, v in state.items()}, tensors)
+        _encode({k: _state_of(v) for k, v in state.items()}, tensors, _dtensor_type())
         nbytes = sum(_aligned(t.numel() * t.element_size()) for t in tensors)
         for index, slot in enumerate(self._slots):
             busy = self._busy[index]
@@ -147,6 +207,7 @@ class AsyncCheckpointer:
 
     def wait(self) -> None:
         """Block until every save so far is durable; raises the writer's error if any."""
+        self._finish_copy()
         if self._writer is not None:
             self._writer.join()
         self._raise_writer_error()
@@ -154,7 +215,12 @@ class AsyncCheckpointer:
     def close(self) -> None:
         """Finish every save (durable, or its error raised) and join the background threads;
         run at exit too, so no thread of ours outlives the interpreter."""
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            if self._copier is not None:
+                self._copier.close()
+                self._copier = None
         if self._sizer is not None:
             self._sizer.join()
         for slot in self._slots:
@@ -233,6 +299,7 @@ class AsyncCheckpointer:
 
     def staged_steps(self) -> dict[int, int]:
         """Steps this rank holds whole in staging (a previous process's too) -> slot."""
+        self._finish_copy()
         held = {}
         for index, slot in enumerate(self._slots):
             meta = slot.meta()
@@ -281,6 +348,7 @@ class AsyncCheckpointer:
         and each verifies its own shard; without, every rank verifies every shard.
         A shard is read from this node's memory when it is there (its own staging, a
         peer's copy), else from storage; a step saved by another world size is resharded."""
+        self._finish_copy()  # it changes the state's tensors
         group = _group(self.world_size)
         try:
             listed = shards.listing(self.storage)
@@ -609,6 +677,67 @@ def _with_chunks(trees: list[Any], own: int) -> Any:
     return base
 
 
+@dataclass
+class _InFlight:
+    """An overlapped save while its copy runs."""
+    index: int
+    step: int
+    began: float
+    versions: list[int]  # the tensors' version counters: an in-place change bumps them
+    blocked: float = 0.0  # how long save() itself took
+    done: threading.Event = field(default_factory=threading.Event)
+    meta: dict[str, Any] | None = None
+    error: BaseException | None = None
+
+
+class _Copier:
+    """One thread that runs overlapped saves' copies, one at a time."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="ftlaunch-ckpt-copy",
+                                        daemon=True)
+        self._thread.start()
+
+    def copy(self, job: Any, flight: _InFlight) -> None:
+        self._jobs.put((job, flight))
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, flight = item
+            try:
+                with torch.no_grad():
+                    job()
+            except BaseException as e:
+                flight.error = e
+            finally:
+                flight.done.set()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+
+def _finish_copy_hook(checkpointer: AsyncCheckpointer) -> Any:
+    """An optimizer pre-step hook: the step waits for the copy of the last save."""
+    this = weakref.ref(checkpointer)  # the optimizer must not keep the checkpointer alive
+
+    def finish_copy(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if (live := this()) is not None:
+            live._finish_copy()
+    return finish_copy
+
+
+def _optimizers(values: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers in a save's state (given as such, or in a DistributedState)."""
+    found = []
+    for value in values:
+        value = getattr(value, "optimizer", value)
+        if isinstance(value, torch.optim.Optimizer):
+            found.append(value)
+    return found
+
+
 def _history() -> str:
     """Which history a save belongs to: the rendezvous round its ranks were started in
     (under an agent), else torchrun's restart count. All ranks of one save share it."""
@@ -732,6 +861,7 @@ def _aligned(n: int) -> int:
 # --- state trees: nested dicts/lists of tensors and plain values, never pickle -----------------
 
 _PLAIN = (int, float, bool, str, bytes, type(None))
+_PLAIN_TYPES = frozenset(_PLAIN)
 
 
 class DistributedState:
@@ -820,9 +950,17 @@ def _state_of(value: Any) -> Any:
     return value.state_dict() if hasattr(value, "state_dict") else value
 
 
-def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
+def _encode(value: Any, tensors: list[torch.Tensor], dtensor: Any) -> Any:
+    """``value``'s structure, its tensors appended to ``tensors`` (``dtensor``: the DTensor
+    type, or None when nothing imported it). Dispatched on the exact type first: a save
+    encodes every value of the optimizer's state and param groups, on the training path."""
+    kind = type(value)
+    if kind in _PLAIN_TYPES:
+        return value
+    if kind is dict:
+        return {"__d__": [[k if type(k) in _PLAIN_TYPES else _encode(k, tensors, dtensor),
+                           _encode(v, tensors, dtensor)] for k, v in value.items()]}
     if isinstance(value, torch.Tensor):
-        dtensor = _dtensor_type()
         if dtensor is not None and isinstance(value, dtensor):
             tensors.append(value.to_local())
             box = _chunk_box(value)
@@ -831,9 +969,10 @@ def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
         tensors.append(value)
         return {"__t__": len(tensors) - 1}
     if isinstance(value, dict):
-        return {"__d__": [[_encode(k, tensors), _encode(v, tensors)] for k, v in value.items()]}
+        return _encode(dict(value), tensors, dtensor)
     if isinstance(value, (list, tuple)):
-        return {"__l__": [_encode(v, tensors) for v in value], "tuple": isinstance(value, tuple)}
+        return {"__l__": [_encode(v, tensors, dtensor) for v in value],
+                "tuple": isinstance(value, tuple)}
     if isinstance(value, _PLAIN):
         return value
     raise CheckpointError(f"cannot checkpoint a {type(value).__name__}: use tensors, dicts, "
