@@ -19,8 +19,10 @@ read line by line (time.monotonic stamps) - rank 0's ``step N`` lines:
                    resumed from an older checkpoint), and the step in flight at a kill
     restart        detection + restart: kill -> the first step line of the next attempt
                    (a step line a survivor prints before it learns of the kill is ignored)
-    ckpt stalls    per saved step, how much longer the next step took than the run's
-                   median step (an estimate: what checkpointing blocked)
+    ckpt stalls    the steps with a save in them took this much longer, summed, than as
+                   many steps without (the mean of those): what checkpointing blocked. A
+                   mean, not per step clipped at the median, which counted every slow
+                   step's noise as a stall (with saves every step: not told apart)
     tail           the step in flight when the wall time ended
 
     goodput = productive / wall; "excl. start-up" = productive / (wall - start-up)
@@ -213,15 +215,18 @@ def account(t0, wall, events, ckpt_every):
     kept = [i == last[step] for i, (step, _, _) in enumerate(trainings)]
     lost["re-computed"] += sum(s for (_, s, _), k in zip(trainings, kept, strict=True) if not k)
     # checkpoint stalls: the save at step k*ckpt_every lies in the interval of the step after
-    durations = [s for (step, s, _), k in zip(trainings, kept, strict=True)
-                 if k and s > 0 and (ckpt_every <= 1 or (step - 1) % ckpt_every)]
+    def saved(step):
+        return ckpt_every > 1 and (step - 1) % ckpt_every == 0  # every step: not told apart
+    counted = [(step, s, t) for (step, s, t), k in zip(trainings, kept, strict=True)
+               if k and s > 0]
+    durations = [s for step, s, _ in counted if not saved(step)]
     typical = statistics.median(durations) if durations else 0.0
+    baseline = statistics.mean(durations) if durations else 0.0
+    with_saves = [s for step, s, _ in counted if saved(step)]
+    stalled = sum(with_saves) - baseline * len(with_saves) > 0  # else the saves cost nothing
     timeline, productive = [(t0, 0.0)], 0.0
-    for (step, seconds, t), k in zip(trainings, kept, strict=True):
-        if not k or seconds <= 0:
-            continue
-        saved = ckpt_every > 1 and (step - 1) % ckpt_every == 0  # every step: not told apart
-        stall = max(0.0, seconds - typical) if saved else 0.0
+    for step, seconds, t in counted:
+        stall = seconds - baseline if stalled and saved(step) else 0.0
         lost["ckpt stalls"] += stall
         productive += seconds - stall
         timeline.append((t, productive))

@@ -28,3 +28,22 @@ def test_an_unknown_benchmark_is_refused_with_the_names_to_choose_from():
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "unknown benchmark(s) ['speed']: choose from recovery, hang" in done.stderr
+
+
+def test_goodput_counts_no_stall_for_saves_that_cost_nothing_and_each_saves_extra_time():
+    """bench_goodput's stall estimate: noisy steps whose saves cost nothing lose nothing to
+    checkpointing (clipping each step at the median counted the slow half's noise), and a
+    save that adds 5 ms loses 5 ms a save."""
+    import random
+
+    import bench_goodput
+
+    def run(extra):
+        rng, t, events = random.Random(0), 0.0, []
+        for step in range(1, 401):
+            t += 0.1 + rng.uniform(0, 0.01) + (extra if (step - 1) % 2 == 0 else 0.0)
+            events.append((t, "step", 0, step))
+        return bench_goodput.account(0.0, t, events, ckpt_every=2)
+
+    assert run(0.0)["lost_s"]["ckpt stalls"] < 0.05  # the old estimate: 0.27 s of noise
+    assert run(0.005)["lost_s"]["ckpt stalls"] == pytest.approx(199 * 0.005, rel=0.2)

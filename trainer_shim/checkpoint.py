@@ -76,6 +76,7 @@ class AsyncCheckpointer:
         self.overlap = overlap
         self._copier: _Copier | None = None  # overlap: the thread that copies saves in
         self._in_flight: _InFlight | None = None  # overlap: a save being copied
+        self._waited = 0.0  # overlap: seconds optimizer steps waited for copies, unreported
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         directory = staging_dir or os.environ.get(environment.STAGING)
         self._staging = Path(directory) if directory else None  # None: anonymous slots
@@ -126,11 +127,15 @@ class AsyncCheckpointer:
                 if optimizer not in self._hooked:
                     optimizer.register_step_pre_hook(_finish_copy_hook(self))
                     self._hooked.add(optimizer)
-            flight = _InFlight(index, step, began, [t._version for t in tensors])
+            # The stall it reports: this call, and what an optimizer step waited for the last
+            # copy (the agent hears of a save as soon as it is sealed, while training runs).
+            flight = _InFlight(index, began, [t._version for t in tensors],
+                               time.monotonic() - began + self._waited)
+            self._waited = 0.0
             self._copier = self._copier or _Copier()
             self._copier.copy(lambda: self._copy(slot, step, tree, tensors, sizes, flight),
                               flight)
-            self._in_flight, flight.blocked = flight, time.monotonic() - began
+            self._in_flight = flight
         else:
             meta = self._copy(slot, step, tree, tensors, sizes)
             self._staged(index, meta, time.monotonic() - began, began)
@@ -138,7 +143,7 @@ class AsyncCheckpointer:
     def _copy(self, slot: Slot, step: int, tree: Any, tensors: list[torch.Tensor],
               sizes: list[int], flight: _InFlight | None = None) -> dict[str, Any]:
         """Copy the tensors into ``slot`` and seal it (in the caller's thread, or the
-        copier's): from then on the copy survives this process."""
+        copier's, which then also tells the agent): from then on it survives this process."""
         slot.invalidate()  # (growing it kept the previous save whole until now)
         entries = _stage(slot, tensors, sizes)
         if flight is not None and flight.versions != [t._version for t in tensors]:
@@ -154,7 +159,7 @@ class AsyncCheckpointer:
                 "nbytes": entries[-1]["offset"] + entries[-1]["nbytes"] if entries else 0}
         slot.seal(meta)
         if flight is not None:
-            flight.meta = meta
+            self._staged(flight.index, meta, flight.stall, flight.began)
         return meta
 
     def _staged(self, index: int, meta: dict[str, Any], stall: float, began: float) -> None:
@@ -176,12 +181,9 @@ class AsyncCheckpointer:
             return
         waited = time.monotonic()
         flight.done.wait()
+        self._waited += time.monotonic() - waited
         if flight.error is not None:
             self._error = self._error or flight.error
-        else:
-            assert flight.meta is not None
-            self._staged(flight.index, flight.meta,
-                         flight.blocked + time.monotonic() - waited, flight.began)
 
     def reserve(self, **state: Any) -> threading.Event:
         """Size both staging slots for saves of ``state`` in the background (``load_latest``
@@ -681,12 +683,10 @@ def _with_chunks(trees: list[Any], own: int) -> Any:
 class _InFlight:
     """An overlapped save while its copy runs."""
     index: int
-    step: int
     began: float
     versions: list[int]  # the tensors' version counters: an in-place change bumps them
-    blocked: float = 0.0  # how long save() itself took
+    stall: float  # what training waited for it (and for the previous copy)
     done: threading.Event = field(default_factory=threading.Event)
-    meta: dict[str, Any] | None = None
     error: BaseException | None = None
 
 
