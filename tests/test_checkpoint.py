@@ -111,7 +111,26 @@ def test_an_overlapped_save_is_copied_before_the_optimizer_steps(tmp_path, copy_
     assert ckpt.load_latest(model=restored) == 1
     assert _same(before, restored), "the copy holds the state the save was called with"
     ckpt.close()
-    assert not [t for t in threading.enumerate() if t.name == "ftlaunch-ckpt-copy"]
+
+
+def test_a_checkpointer_of_a_new_attempt_waits_for_the_copy_of_the_one_it_replaces(
+        tmp_path, copy_gate):
+    """A rank re-entered in place builds a new checkpointer over the same staging slots,
+    while the dropped attempt's last save may still be copying into one of them."""
+    model, opt = _model_and_optimizer()
+    (tmp_path / "shm").mkdir()
+    old = AsyncCheckpointer(tmp_path, overlap=True, staging_dir=str(tmp_path / "shm"))
+    old.save(3, model=model, optim=opt)  # then the attempt is left (RestartRequested)
+    threading.Timer(0.3, copy_gate.set).start()
+    new = AsyncCheckpointer(tmp_path, overlap=True, staging_dir=str(tmp_path / "shm"))
+    assert copy_gate.is_set() and new.staged_steps() == {3: 0}, "it saw the copy whole"
+    new.save(4, model=model, optim=opt)
+    opt.step()
+    assert new.staged_steps() == {3: 0, 4: 1}, "the next save went to the other slot"
+    for ckpt in (old, new):
+        ckpt.close()
+    copiers = [t for t in threading.enumerate() if t.name == "ftlaunch-ckpt-copy"]
+    assert len(copiers) <= 1, "one copier thread for the process, however many attempts"
 
 
 def test_a_state_changed_outside_the_optimizer_during_an_overlapped_copy_is_not_saved(

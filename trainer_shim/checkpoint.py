@@ -74,10 +74,11 @@ class AsyncCheckpointer:
             raise CheckpointError("persist_every must be >= 1, keep_last and keep_every >= 0")
         self.keep_last, self.keep_every, self.persist_every = keep_last, keep_every, persist_every
         self.overlap = overlap
-        self._copier: _Copier | None = None  # overlap: the thread that copies saves in
         self._in_flight: _InFlight | None = None  # overlap: a save being copied
         self._waited = 0.0  # overlap: seconds optimizer steps waited for copies, unreported
         self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        if _COPIER is not None:  # a checkpointer of an attempt left in place may still copy
+            _COPIER.drain()       # into the slots we are about to open
         directory = staging_dir or os.environ.get(environment.STAGING)
         self._staging = Path(directory) if directory else None  # None: anonymous slots
         self._slots = [Slot(directory, self.rank, k) for k in range(SLOTS)]
@@ -132,9 +133,7 @@ class AsyncCheckpointer:
             flight = _InFlight(index, began, [t._version for t in tensors],
                                time.monotonic() - began + self._waited)
             self._waited = 0.0
-            self._copier = self._copier or _Copier()
-            self._copier.copy(lambda: self._copy(slot, step, tree, tensors, sizes, flight),
-                              flight)
+            _copier().copy(lambda: self._copy(slot, step, tree, tensors, sizes, flight), flight)
             self._in_flight = flight
         else:
             meta = self._copy(slot, step, tree, tensors, sizes)
@@ -217,12 +216,7 @@ class AsyncCheckpointer:
     def close(self) -> None:
         """Finish every save (durable, or its error raised) and join the background threads;
         run at exit too, so no thread of ours outlives the interpreter."""
-        try:
-            self.wait()
-        finally:
-            if self._copier is not None:
-                self._copier.close()
-                self._copier = None
+        self.wait()
         if self._sizer is not None:
             self._sizer.join()
         for slot in self._slots:
@@ -691,7 +685,8 @@ class _InFlight:
 
 
 class _Copier:
-    """One thread that runs overlapped saves' copies, one at a time."""
+    """The thread that runs overlapped saves' copies, one at a time, for every checkpointer
+    of the process (one a re-entered attempt dropped included)."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -713,9 +708,33 @@ class _Copier:
             finally:
                 flight.done.set()
 
+    def drain(self) -> None:
+        """Until every copy queued so far is done."""
+        flight = _InFlight(-1, 0.0, [], 0.0)
+        self.copy(lambda: None, flight)
+        flight.done.wait()
+
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join()
+
+
+_COPIER: _Copier | None = None
+
+
+def _copier() -> _Copier:
+    global _COPIER
+    if _COPIER is None:
+        _COPIER = _Copier()
+        shutdown.at_exit(_close_copier)  # first (newest first): the copies queued finish
+    return _COPIER
+
+
+def _close_copier() -> None:
+    global _COPIER
+    if _COPIER is not None:
+        _COPIER.close()
+        _COPIER = None
 
 
 def _finish_copy_hook(checkpointer: AsyncCheckpointer) -> Any:
