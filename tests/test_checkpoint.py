@@ -151,6 +151,19 @@ def test_a_state_changed_outside_the_optimizer_during_an_overlapped_copy_is_not_
     ckpt.close()
 
 
+def test_an_overlapped_save_of_an_inference_tensor_copies_at_once(tmp_path, copy_gate):
+    """An inference tensor has no version counter: a change during the copy could not be
+    seen, so that save is not overlapped."""
+    copy_gate.set()
+    model, opt = _model_and_optimizer()
+    with torch.inference_mode():
+        table = torch.arange(4.0)
+    ckpt = AsyncCheckpointer(tmp_path, overlap=True)
+    ckpt.save(1, model=model, optim=opt, extra={"table": table})
+    assert ckpt._in_flight is None, "copied in the call"
+    ckpt.close()
+
+
 def test_an_overlapped_save_without_an_optimizer_copies_at_once(tmp_path, copy_gate):
     copy_gate.set()
     weights = {"w": torch.zeros(4)}

@@ -122,16 +122,16 @@ class AsyncCheckpointer:
             slot.ensure(sum(map(_aligned, sizes)))
         except StagingFull as e:
             raise CheckpointError(f"step {step} not saved: {e.strerror}") from None
-        optimizers = _optimizers(state.values())
-        if self.overlap and optimizers and not any(t.is_cuda for t in tensors):
+        optimizers = _optimizers(state.values()) if self.overlap else []
+        versions = _versions(tensors) if optimizers else None
+        if versions is not None:
             for optimizer in optimizers:
                 if optimizer not in self._hooked:
                     optimizer.register_step_pre_hook(_finish_copy_hook(self))
                     self._hooked.add(optimizer)
             # The stall it reports: this call, and what an optimizer step waited for the last
             # copy (the agent hears of a save as soon as it is sealed, while training runs).
-            flight = _InFlight(index, began, [t._version for t in tensors],
-                               time.monotonic() - began + self._waited)
+            flight = _InFlight(index, began, versions, time.monotonic() - began + self._waited)
             self._waited = 0.0
             _copier().copy(lambda: self._copy(slot, step, tree, tensors, sizes, flight), flight)
             self._in_flight = flight
@@ -145,7 +145,7 @@ class AsyncCheckpointer:
         copier's, which then also tells the agent): from then on it survives this process."""
         slot.invalidate()  # (growing it kept the previous save whole until now)
         entries = _stage(slot, tensors, sizes)
-        if flight is not None and flight.versions != [t._version for t in tensors]:
+        if flight is not None and flight.versions != _versions(tensors):
             changed = next(i for i, t in enumerate(tensors) if t._version != flight.versions[i])
             raise CheckpointError(
                 f"step {step} not saved: its tensor #{changed} was changed while it was being "
@@ -745,6 +745,18 @@ def _finish_copy_hook(checkpointer: AsyncCheckpointer) -> Any:
         if (live := this()) is not None:
             live._finish_copy()
     return finish_copy
+
+
+def _versions(tensors: list[torch.Tensor]) -> list[int] | None:
+    """The tensors' version counters (an in-place change bumps one), or None where a copy
+    cannot overlap: a GPU tensor (copied on its stream instead), or one without a counter
+    (an inference tensor)."""
+    if any(t.is_cuda for t in tensors):
+        return None
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:
+        return None
 
 
 def _optimizers(values: Any) -> list[torch.optim.Optimizer]:
