@@ -104,8 +104,8 @@ class AsyncCheckpointer:
     # --- saving --------------------------------------------------------------------------
 
     def save(self, step: int, **state: Any) -> None:
-        """Stage a copy of ``state`` (returns then; with ``overlap``, once the copy has
-        begun) and persist it in the background."""
+        """Stage a copy of ``state`` (returns then; with ``overlap``, once the copy is
+        queued) and persist it in the background."""
         began = time.monotonic()
         self._finish_copy()
         self._raise_writer_error()
