@@ -699,6 +699,9 @@ class _Copier:
 
     def _run(self) -> None:
         while (item := self._jobs.get()) is not None:
+            if isinstance(item, threading.Event):  # drain: every copy before it is done
+                item.set()
+                continue
             job, flight = item
             try:
                 with torch.no_grad():
@@ -710,9 +713,9 @@ class _Copier:
 
     def drain(self) -> None:
         """Until every copy queued so far is done."""
-        flight = _InFlight(-1, 0.0, [], 0.0)
-        self.copy(lambda: None, flight)
-        flight.done.wait()
+        done = threading.Event()
+        self._jobs.put(done)
+        done.wait()
 
     def close(self) -> None:
         self._jobs.put(None)
