@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import netns
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,27 +54,39 @@ sys.path.insert(0, str(REPO))
 
 RANK_KINDS = ("kill", "segv", "exception", "stop", "spin", "writer")
 NODE_KINDS = ("node", "coordinator")
-KINDS = (*RANK_KINDS, *NODE_KINDS, "sigterm", "disk")
+NET_KINDS = ("partition", "loss")  # iptables in a node's network namespace: --netns
+KINDS = (*RANK_KINDS, *NODE_KINDS, "sigterm", "disk", *NET_KINDS)
+MULTI_NODE = (*NODE_KINDS, "partition")  # drawn only when the job has 2+ nodes
 TAG_VAR = "FTLAUNCH_CHAOS_TAG"
 CKPT_EVERY = 5
 START = re.compile(r"start rank (\d+) world (\d+) pid (\d+) resume_from (\d+)")
 STEP = re.compile(r"step (\d+) loss (\S+) rank (\d+)")
 PREEMPTED = 128 + signal.SIGTERM
+RDZV_PORT = 29400  # in namespaces: each node has the port space to itself
+LOSS_SECONDS = 3.0  # how long a "loss" fault lasts
+NODE_TIMEOUT = 2.0
+# A healed node hears the coordinator at its next heartbeat (0.2 s); then its ranks stop
+# (--stop-timeout) and it re-joins: a few node timeouts, with slack for two busy cores.
+HEAL_WITHIN = 3 * NODE_TIMEOUT + 6
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
     step: int  # injected once the job trains past this step (again)
-    target: int  # a global rank for rank faults, a node's place for "node"
+    target: int  # a global rank for rank faults, a node's place for node and network faults
+    percent: int = 0  # "loss": the share of the node's packets dropped
 
 
 def draw_schedule(seed: int, faults: int, kinds: tuple[str, ...], world: int, nodes: int,
                   first: int = 12, gap: int = 12) -> list[Fault]:
-    """The faults a seed stands for: kinds that need more nodes than the job has are left out."""
+    """The faults a seed stands for: kinds that need more nodes than the job has are left out.
+    (A loss's share is drawn only for a loss: other kinds' schedules stay what they were.)"""
     rng = random.Random(seed)
-    usable = [k for k in kinds if k not in NODE_KINDS or nodes >= 2]
-    return [Fault(kind, first + i * gap, rng.randrange(nodes if kind == "node" else world))
+    usable = [k for k in kinds if k not in MULTI_NODE or nodes >= 2]
+    return [Fault(kind, first + i * gap,
+                  rng.randrange(nodes if kind in ("node", *NET_KINDS) else world),
+                  rng.randrange(10, 31, 5) if kind == "loss" else 0)
             for i, kind in enumerate(rng.choice(usable) for _ in range(faults))]
 
 
@@ -84,6 +97,7 @@ class Injected:
     fault: Fault
     at: float  # time.time() of the injection
     detail: str = ""  # the pid or node it hit
+    cut_off: str = ""  # "partition": the log dir of the agent cut off (its view is not the job's)
 
 
 @dataclass
@@ -104,13 +118,17 @@ class Run:
     events: list[dict]  # every node's events, each with "node" (its log dir's name)
     torn: list[str] = field(default_factory=list)
     leftovers: list[str] = field(default_factory=list)
+    stranded: list[str] = field(default_factory=list)  # healed agents that neither re-joined nor left
 
 
 def needs_recovery(kind: str) -> bool:
-    return kind not in ("sigterm", "disk")  # a requeue; a checkpoint that waits for room
+    """A requeue, a checkpoint that waits for room and a lossy link that TCP rides out need none."""
+    return kind not in ("sigterm", "disk", "loss")
 
 
 def check_completes(run: Run, ref: Reference) -> str | None:
+    if run.stranded:
+        return f"after the heal: {run.stranded}"
     *earlier, last = run.exit_codes or [[]]
     if any(code != PREEMPTED for codes in earlier for code in codes):
         return f"a preempted start exited {earlier}, not {PREEMPTED} on every node"
@@ -170,6 +188,7 @@ CAUSES = {  # what a recovery's cause says for each fault kind
     # A hung rank stops its peers at their next collective: any of them may be found first.
     "stop": r"^rank \d+ \(.*\) .*hung", "spin": r"^rank \d+ \(.*\) .*hung",
     "node": r"{node}.*lost", "coordinator": r"{node}.*lost",
+    "partition": r"^node {node} lost \(no heartbeat",  # silent, not gone: the node timeout
 }
 
 
@@ -192,8 +211,16 @@ def recoveries(events: list[dict]) -> list[dict]:
     return sorted(seen.values(), key=lambda e: e["ts"])
 
 
+def job_events(run: Run) -> list[dict]:
+    """The events of the nodes in the job: a node cut off by a partition sees everyone else
+    lost (it may fail over to itself) from the cut on; that is its view, not the job's."""
+    cuts = [(inj.cut_off, inj.at) for inj in run.injected if inj.cut_off]
+    return [e for e in run.events if not any(e["node"] == log and e["ts"] >= at
+                                             for log, at in cuts)]
+
+
 def check_recoveries(run: Run, ref: Reference) -> str | None:
-    found = recoveries(run.events)
+    found = recoveries(job_events(run))
     bounds = [inj.at for inj in run.injected] + [float("inf")]
     for i, inj in enumerate(run.injected):
         within = [r for r in found if bounds[i] <= r["ts"] < bounds[i + 1]]
@@ -241,6 +268,11 @@ class Options:
     work: Path | None = None
     verbose: bool = False
     overlap: bool = False  # saves copied beside the next step (AsyncCheckpointer overlap=True)
+    netns: bool = False  # every node in a network namespace even if no network fault is drawn
+
+    @property
+    def in_netns(self) -> bool:
+        return self.netns or any(f.kind in NET_KINDS for f in self.schedule())
 
     @property
     def world(self) -> int:
@@ -250,8 +282,9 @@ class Options:
         return draw_schedule(self.seed, self.faults, self.kinds, self.world, self.nodes)
 
     def steps(self) -> int:
-        plan = self.schedule()
-        return (plan[-1].step if plan else 0) + 40  # room for the last fault to land
+        plan = self.schedule()  # room for the last fault to land
+        # A network fault lasts seconds (~300 steps here), beyond the steps between faults.
+        return (plan[-1].step if plan else 0) + 40 + 300 * sum(f.kind in NET_KINDS for f in plan)
 
     def train_args(self, work: Path) -> list[str]:
         return [str(TRAIN), "--shim", "--async-ckpt", *(["--fsdp"] if self.fsdp else []),
@@ -266,6 +299,7 @@ class Lines:
 
     def __init__(self, verbose: bool):
         self.lines: list[tuple[float, int, str]] = []
+        self.ended: set[int] = set()  # nodes whose agent's output reached its end
         self.cond = threading.Condition()
         self.verbose = verbose
 
@@ -282,12 +316,16 @@ class Lines:
                     f.flush()
                     if self.verbose:
                         sys.stderr.write(f"  n{node} {line}")
+            with self.cond:
+                self.ended.add(node)
+                self.cond.notify_all()
         threading.Thread(target=read, daemon=True).start()
 
     def wait(self, pattern: str, since: int, timeout: float, node: int | None = None,
              accept: Callable[[re.Match], bool] | None = None) -> tuple[int, re.Match]:
         """The first line from index ``since`` on (of ``node``'s agent, if given) that
-        matches (and whose match ``accept`` takes): (its index, the match)."""
+        matches (and whose match ``accept`` takes): (its index, the match). EOFError if
+        ``node``'s agent ended first."""
         regex, deadline = re.compile(pattern), time.monotonic() + timeout
         with self.cond:
             while True:
@@ -298,6 +336,8 @@ class Lines:
                     if m and (accept is None or accept(m)):
                         return i, m
                 since = len(self.lines)
+                if node in self.ended:
+                    raise EOFError(f"node {node}'s agent ended before a line matched {pattern!r}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no line matching {pattern!r} within {timeout}s")
@@ -329,22 +369,57 @@ class Job:
         if self.mounted:  # a file system that can be filled without filling the machine's
             subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(work / "ckpt")],
                            check=True, capture_output=True)
+        self.cluster: netns.Cluster | None = None
+        self.placed: dict[int, netns.Node] = {}  # agent pid -> the namespace it runs in
+        self.unseated: set[int] = set()  # agents a partition dropped from the job
+        self.stranded: list[str] = []  # what a healed agent did wrong
+        self.host = "127.0.0.1"  # where the rendezvous endpoint is
+        if opts.in_netns:  # one "machine" per agent that may be alive at once, reused after
+            netns.clean_stale()
+            plan = opts.schedule()
+            self.cluster = netns.Cluster(opts.nodes + 2 + sum(
+                f.kind in (*NODE_KINDS, "partition") for f in plan)).up()
+            self.host, self.port = self.cluster.node(1).addr, RDZV_PORT
+            self.env["GLOO_SOCKET_IFNAME"] = "eth0"
+
+    def close(self) -> None:
+        """Unmount the run's file system, tear its namespaces down (killing what is left)."""
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.work / "ckpt")], check=False)
+        if self.cluster is not None:
+            self.cluster.down()
 
     def agent(self) -> subprocess.Popen:
         n = len(self.agents)
         cmd = [sys.executable, "-m", "launcher", "--nnodes", f"{self.opts.nodes}:{self.opts.nodes}",
                "--nproc-per-node", str(self.opts.nproc), "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "chaos",
+               "--rdzv-endpoint", f"{self.host}:{self.port}", "--rdzv-id", "chaos",
                "--rdzv-conf", "last_call_timeout=0.5,join_timeout=60",
-               "--node-timeout", "2", "--heartbeat-interval", "0.2", "--hang-timeout", "4",
+               "--node-timeout", f"{NODE_TIMEOUT:g}", "--heartbeat-interval", "0.2", "--hang-timeout", "4",
                "--max-restarts", str(self.budget()), "--restart-backoff", "0",
                "--log-dir", str(self.work / "logs" / f"agent{n}"),
                *self.opts.train_args(self.work)]
-        proc = subprocess.Popen(cmd, cwd=self.work, env=self.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        node = self._place() if self.cluster is not None else None
+        proc = subprocess.Popen(node.command(cmd) if node else cmd, cwd=self.work, env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        if node is not None:
+            self.placed[proc.pid] = node  # ip netns exec, unshare and sh exec: the agent's pid
         self.agents.append(proc)
         self.out.follow(proc, n, self.work / "logs" / f"agent{n}.out")
         return proc
+
+    def _place(self, timeout: float = 10) -> netns.Node:
+        """A namespace no live agent runs in, once what ran there is gone: the endpoint's
+        first (a re-created node 0 takes its address, where a successor announces itself)."""
+        busy = {self.placed[p.pid].index for p in self.alive() if p.pid in self.placed}
+        node = next(n for n in self.cluster.nodes if n.index not in busy)
+        deadline = time.monotonic() + timeout
+        while node.pids():  # a killed node's ranks die after their agent
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"processes {node.pids()} still in {node.ns}")
+            time.sleep(0.05)  # the namespace's process list: there is no event to wait on
+        return node
 
     def budget(self) -> int:
         if self.opts.budget is not None:
@@ -352,13 +427,13 @@ class Job:
         return sum(needs_recovery(f.kind) for f in self.opts.schedule()) + 2
 
     def needs_spare(self) -> bool:
-        return any(f.kind in NODE_KINDS for f in self.opts.schedule())
+        return any(f.kind in MULTI_NODE for f in self.opts.schedule())
 
     def start(self) -> None:
         """The job's nodes (the first hosts the coordinator) and, when nodes are lost, a spare."""
         mark = len(self.out.lines)
         first = self.agent()
-        _wait_listening(self.port, first)
+        _wait_listening(self.port, first, self.placed.get(first.pid))
         procs = [first] + [self.agent() for _ in range(self.opts.nodes - 1)]
         if self.needs_spare():
             procs.append(self.spare(mark))
@@ -372,13 +447,15 @@ class Job:
         return proc
 
     def node_id(self, proc: subprocess.Popen) -> str:
-        return f"{socket.gethostname()}:{proc.pid}"
+        node = self.placed.get(proc.pid)
+        return f"{node.hostname if node else socket.gethostname()}:{proc.pid}"
 
     def seated(self) -> list[subprocess.Popen]:
         """The live agents that run ranks, in the order they joined (not the waiting spare)."""
         with self.out.cond:
             running = {node for _, node, line in self.out.lines if START.search(line)}
-        return [p for i, p in enumerate(self.agents) if i in running and p.poll() is None]
+        return [p for i, p in enumerate(self.agents)
+                if i in running and p.poll() is None and p.pid not in self.unseated]
 
     def coordinator(self) -> subprocess.Popen:
         """The agent hosting the coordinator now: the first, or the successor it handed to."""
@@ -387,6 +464,9 @@ class Job:
             if e["event"] == "coordinator_lost" and e["successor"]:
                 host = next((p for p in self.agents if self.node_id(p) == e["successor"]), host)
         return host
+
+    def agent_of(self, node_id: str) -> subprocess.Popen:
+        return next(p for p in self.agents if self.node_id(p) == node_id)
 
     def rank_pid(self, rank: int) -> int:
         with self.out.cond:
@@ -405,13 +485,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+def _wait_listening(port: int, proc: subprocess.Popen, node: netns.Node | None,
+                    timeout: float = 60) -> None:
+    """Until ``proc`` (on loopback, or in ``node``'s namespace) listens on ``port``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the first agent exited {proc.returncode}")
+        if node is not None and node.listening(port):
+            return
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+            if node is None and s.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.05)  # nothing to wait on but the port
     raise TimeoutError(f"nothing listened on {port} within {timeout}s")
@@ -460,6 +544,18 @@ def inject(job: Job, fault: Fault) -> Injected:
         os.killpg(victim.pid, signal.SIGKILL)  # the agent and its ranks: the node is gone
         victim.wait()
         return Injected(fault, at, job.node_id(victim))
+    if kind == "partition":  # a node that is not the coordinator's: see README "Chaos"
+        host = job.coordinator()
+        others = [p for p in job.seated() if p is not host]
+        victim = others[target % len(others)]
+        job.unseated.add(victim.pid)
+        job.placed[victim.pid].partition()
+        return Injected(fault, at, job.node_id(victim), f"agent{job.agents.index(victim)}")
+    if kind == "loss":
+        seated = job.seated()
+        victim = seated[target % len(seated)]
+        job.placed[victim.pid].drop_output(fault.percent / 100)
+        return Injected(fault, at, job.node_id(victim))
     if kind == "sigterm":
         for proc in job.alive():
             proc.send_signal(signal.SIGTERM)
@@ -478,10 +574,16 @@ def inject(job: Job, fault: Fault) -> Injected:
     raise ValueError(f"unknown fault kind {kind!r}")
 
 
-def wait_recovered(job: Job, injected: Injected, timeout: float = 120) -> None:
-    """Block until the fault's recovery is over: ranks back (a new spare for a lost node);
-    after a preemption, the job started again."""
+def wait_recovered(job: Job, injected: Injected, spare: bool, timeout: float = 120) -> None:
+    """Block until the fault's recovery is over: ranks back (a new spare for a lost node, if
+    ``spare``: a later fault loses one); after a preemption, the job started again."""
     kind = injected.fault.kind
+    if kind == "loss":
+        time.sleep(LOSS_SECONDS)  # the fault's length (the job rides it out meanwhile, or not)
+        node = job.placed[job.agent_of(injected.detail).pid]
+        injected.detail += f", {node.dropped()} packets dropped"
+        node.heal()
+        return
     if kind == "disk":  # two saves find it full; then there is room again
         step = injected.fault.step + 2 * CKPT_EVERY
         job.out.wait_step(step, len(job.out.lines), timeout=timeout)
@@ -500,8 +602,28 @@ def wait_recovered(job: Job, injected: Injected, timeout: float = 120) -> None:
         if not job.alive():
             return  # the budget is spent: the job ended
         time.sleep(0.05)  # the agents' event files
-    if kind in NODE_KINDS:
+    if kind == "partition":
+        rejoin_after_heal(job, job.agent_of(injected.detail))
+    if kind in MULTI_NODE and spare and job.seated():  # (the job may have ended meanwhile)
         job.starts[-1].append(job.spare(len(job.out.lines)))
+
+
+def rejoin_after_heal(job: Job, agent: subprocess.Popen) -> None:
+    """Heal the partition; its agent must learn that the job went on without it within
+    HEAL_WITHIN, and wait as a spare or leave (its exit code is checked with the others').
+    One that does neither is stranded, and killed like a dead machine."""
+    mark = len(job.out.lines)
+    job.placed[agent.pid].heal()
+    try:
+        job.out.wait(r"waiting as a spare", mark, HEAL_WITHIN, node=job.agents.index(agent))
+    except EOFError:
+        return
+    except TimeoutError:
+        job.stranded.append(f"{job.node_id(agent)} neither re-joined nor left within "
+                            f"{HEAL_WITHIN:g}s of the heal")
+        job.killed.add(agent.pid)
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
 
 
 def run_job(opts: Options, work: Path) -> Run:
@@ -512,7 +634,7 @@ def run_job(opts: Options, work: Path) -> Run:
         job.start()
         mark = 0
         try:
-            for fault in plan:
+            for i, fault in enumerate(plan):
                 try:
                     mark, _ = job.out.wait_step(fault.step, mark, timeout=180)
                 except TimeoutError:
@@ -520,7 +642,8 @@ def run_job(opts: Options, work: Path) -> Run:
                         break  # the job ended (the budget spent)
                     raise
                 injected.append(inject(job, fault))
-                wait_recovered(job, injected[-1])
+                wait_recovered(job, injected[-1],
+                               any(f.kind in MULTI_NODE for f in plan[i + 1:]))
                 mark = len(job.out.lines)
             for proc in job.alive():
                 proc.wait(timeout=300)
@@ -531,8 +654,7 @@ def run_job(opts: Options, work: Path) -> Run:
         return collect(job, opts, injected,
                        1 if opts.budget is not None and recovering > opts.budget else 0)
     finally:
-        if job.mounted:
-            subprocess.run(["umount", "-l", str(work / "ckpt")], check=False)
+        job.close()
 
 
 def collect(job: Job, opts: Options, injected: list[Injected], expected: int) -> Run:
@@ -549,7 +671,7 @@ def collect(job: Job, opts: Options, injected: list[Injected], expected: int) ->
                     for procs in job.starts],
         out=json.loads(out_path.read_text()) if out_path.exists() else None,
         losses=losses, resumes=resumes, events=read_events(job.work),
-        torn=torn_shards(job.work / "ckpt"), leftovers=leftovers(job))
+        torn=torn_shards(job.work / "ckpt"), leftovers=leftovers(job), stranded=job.stranded)
 
 
 def torn_shards(ckpt: Path) -> list[str]:
@@ -626,7 +748,9 @@ def one_run(opts: Options) -> tuple[Run, dict[str, str | None]]:
 
 
 def report(opts: Options, run: Run, verdict: dict[str, str | None]) -> None:
-    kinds = " ".join(f"{i.fault.kind}@{i.fault.step}" for i in run.injected)
+    kinds = " ".join(f"{i.fault.kind}@{i.fault.step}"
+                     + (f" ({i.fault.percent}% on {i.detail})" if i.fault.kind == "loss" else "")
+                     for i in run.injected)
     print(f"chaos seed {opts.seed}: {opts.nodes} node(s) x {opts.nproc} ranks"
           f"{' fsdp' if opts.fsdp else ''}, faults: {kinds or 'none'}")
     for name, problem in verdict.items():
@@ -642,7 +766,7 @@ def campaign_table(runs: list[tuple[Options, Run, dict]]) -> str:
         failed += any(v is not None for v in verdict.values())
         for inj in run.injected:
             by_kind[inj.fault.kind] = by_kind.get(inj.fault.kind, 0) + 1
-        for r in recoveries(run.events):
+        for r in recoveries(job_events(run)):
             policies[r["policy"]] = policies.get(r["policy"], 0) + 1
         done = {}
         for e in run.events:
@@ -666,6 +790,18 @@ def campaign_table(runs: list[tuple[Options, Run, dict]]) -> str:
     return "\n".join(lines)
 
 
+def usable_kinds(kinds: tuple[str, ...], want_netns: bool) -> tuple[str, ...]:
+    """``kinds`` less those this machine cannot inject, each left out with one line saying why."""
+    skipped = {"disk": "mounting a tmpfs needs root"} if os.geteuid() != 0 else {}
+    if (why := netns.missing_requirements()) is not None:
+        if want_netns:
+            sys.exit(f"chaos: --netns: {why}")
+        skipped.update(dict.fromkeys(NET_KINDS, f"network namespaces: {why}"))
+    for kind in (k for k in kinds if k in skipped):
+        print(f"chaos: not drawing {kind}: {skipped[kind]}", file=sys.stderr)
+    return tuple(k for k in kinds if k not in skipped)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0)
@@ -675,8 +811,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP")
     p.add_argument("--overlap-ckpt", action="store_true",
                    help="the job's saves copied beside the next step (overlap=True)")
-    p.add_argument("--kinds", default=",".join(k for k in KINDS if k != "disk" or os.geteuid() == 0),
-                   help="fault kinds to draw from (disk: as root)")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help="fault kinds to draw from (disk, partition, loss: as root)")
+    p.add_argument("--netns", action="store_true",
+                   help="every node in a network namespace of its own, whatever is drawn")
     p.add_argument("--budget", type=int, default=None, help="--max-restarts (default: enough)")
     p.add_argument("--campaign", type=int, default=0,
                    help="this many runs, seeds from --seed on; prints a table")
@@ -686,11 +824,12 @@ def main(argv: list[str] | None = None) -> int:
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if unknown := set(kinds) - set(KINDS):
         p.error(f"unknown fault kinds {sorted(unknown)}: choose from {','.join(KINDS)}")
+    kinds = usable_kinds(kinds, args.netns)
     runs, failed = [], 0
     for seed in range(args.seed, args.seed + max(1, args.campaign)):
         opts = Options(seed, args.faults, args.nodes, args.nproc, args.fsdp, kinds, args.budget,
                        args.work if not args.campaign else None, args.verbose,
-                       args.overlap_ckpt)
+                       args.overlap_ckpt, args.netns)
         try:
             run, verdict = one_run(opts)
         except Exception as e:  # the runner's own failure: this run counts as broken

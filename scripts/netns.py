@@ -137,6 +137,11 @@ class Node:
         self.iptables("-A", "OUTPUT", "-o", "eth0", *dest, "-m", "statistic", "--mode",
                       "random", "--probability", f"{probability}", "-j", "DROP")
 
+    def dropped(self) -> int:
+        """Packets the rules in this node's OUTPUT chain dropped so far."""
+        rules = self.run("iptables", "-w", "5", "-nvxL", "OUTPUT").splitlines()[2:]
+        return sum(int(rule.split()[0]) for rule in rules if " DROP " in f" {rule} ")
+
     def listening(self, port: int) -> bool:
         """Whether something in this namespace listens on TCP ``port``."""
         return f":{port} " in self.run("ss", "-Hltn", f"sport = :{port}") + " "

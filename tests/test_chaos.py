@@ -138,6 +138,70 @@ def test_a_coordinator_loss_counts_once_however_many_survivors_log_it():
     assert only["policy"] == "failover" and "vm:1" in only["cause"]
 
 
+def network_run(kind: str, **fault) -> chaos.Run:
+    """good_run with its kill replaced by ``kind`` of node2 (agent1's log) at step 12."""
+    run, _ = good_run()
+    cut_off = "agent1" if kind == "partition" else ""
+    injected = [chaos.Injected(chaos.Fault(kind, 12, 1, **fault), T0 + 12.05, "node2:7", cut_off)]
+    events = [{**e, "node": "agent0"} for e in run.events]
+    if kind == "loss":
+        events = [e for e in events if e["event"] not in ("recovering", "recovered")]
+    else:
+        events = [{**e, "cause": "node node2:7 lost (no heartbeat for 2s)"}
+                  if e["event"] == "recovering" else e for e in events]
+    return dataclasses.replace(run, injected=injected, events=events)
+
+
+def recoveries_verdict(run: chaos.Run, **changes) -> str | None:
+    return chaos.check_recoveries(dataclasses.replace(run, **changes), good_run()[1])
+
+
+def test_a_partition_needs_one_recovery_naming_the_cut_off_node_as_lost():
+    run = network_run("partition")
+    # Cut off, node2 sees the coordinator lost and fails over to itself: its own view.
+    ghost = [{"ts": T0 + 14, "event": "coordinator_lost", "node": "agent1", "lost": "node1:5",
+              "successor": "node2:7"},
+             {"ts": T0 + 14, "event": "recovering", "node": "agent1", "restart_count": 1,
+              "policy": "rank", "cause": "coordinator node node1:5 lost"}]
+    assert recoveries_verdict(run, events=[*run.events, *ghost]) is None
+    assert "0 recoveries" in recoveries_verdict(
+        run, events=[e for e in run.events if e["event"] != "recovering"])
+    named = recoveries_verdict(run, events=[
+        {**e, "cause": "node node3:8 lost (no heartbeat for 2s)"} if e["event"] == "recovering"
+        else e for e in run.events])
+    assert "does not name it" in named
+    gone = recoveries_verdict(run, events=[  # a dead agent's connection, not a partition
+        {**e, "cause": "node node2:7 lost (its connection closed)"}
+        if e["event"] == "recovering" else e for e in run.events])
+    assert "does not name it" in gone
+    twice = [*run.events, {**ghost[1], "node": "agent0", "restart_count": 2}]
+    assert "2 recoveries" in recoveries_verdict(run, events=twice)
+
+
+def test_packet_loss_needs_no_recovery():
+    run = network_run("loss", percent=20)
+    assert recoveries_verdict(run) is None
+    recovered = [*run.events, {"ts": T0 + 13, "event": "recovering", "node": "agent0",
+                               "restart_count": 1, "policy": "rank",
+                               "cause": "node node2:7 lost (no heartbeat for 2s)"}]
+    assert "loss at step 12: recoveries" in recoveries_verdict(run, events=recovered)
+
+
+def test_completes_fails_when_a_healed_node_neither_rejoins_nor_leaves():
+    stranded = ["node2:7 neither re-joined nor left within 12s of the heal"]
+    assert broken(doctored(stranded=stranded)) == {"completes"}
+
+
+def test_network_kinds_are_left_out_with_a_reason_where_namespaces_cannot_be_built(
+        monkeypatch, capsys):
+    monkeypatch.setattr(chaos.netns, "missing_requirements", lambda: "network namespaces need root")
+    assert chaos.usable_kinds(("kill", "partition", "loss"), False) == ("kill",)
+    err = capsys.readouterr().err
+    assert "not drawing partition: network namespaces: network namespaces need root" in err
+    with pytest.raises(SystemExit, match="--netns: network namespaces need root"):
+        chaos.usable_kinds(("kill",), True)
+
+
 @pytest.mark.parametrize("args", [
     ["--seed", "3", "--faults", "4", "--nodes", "1", "--nproc", "2",
      "--kinds", "kill,segv,exception,stop,writer,disk", "--overlap-ckpt"],  # segv, exception,
