@@ -8,7 +8,6 @@ version raises ``ProtocolError``, which receivers log and drop.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import hmac
 import itertools
 import os
@@ -147,7 +146,7 @@ class Codec:
         _check_fields(msg.TYPE, payload)
         body = msgpack.packb({"v": VERSION, "type": msg.TYPE, "epoch": epoch, "sid": self._sid,
                               "seq": next(self._seq), "ts": time.time(), **payload})
-        return [body, hmac.new(self._secret, body, hashlib.sha256).digest()]
+        return [body, hmac.digest(self._secret, body, "sha256")]
 
     def decode(self, frames: list[bytes]) -> Envelope:
         if len(frames) != 2:
@@ -155,7 +154,7 @@ class Codec:
         body, mac = frames
         if len(body) > MAX_BYTES:
             raise ProtocolError(f"message of {len(body)} bytes exceeds {MAX_BYTES}")
-        expected = hmac.new(self._secret, body, hashlib.sha256).digest()
+        expected = hmac.digest(self._secret, body, "sha256")
         if not hmac.compare_digest(expected, mac):
             raise ProtocolError("bad signature (wrong job secret or forged message)")
         data = unpack_map(body)
@@ -185,17 +184,37 @@ def unpack_map(body: bytes) -> dict[str, Any]:
     return data
 
 
+def _predicate(expected: Any) -> Any:
+    """``expected`` (a type, a tuple of types or a check) as one test of a value."""
+    if callable(expected) and not isinstance(expected, (type, tuple)):
+        return expected
+    return lambda value: isinstance(value, expected) and not isinstance(value, bool)
+
+
+_COMPILED: dict[int, dict[str, tuple[Any, tuple[tuple[str, Any], ...]]]] = {}
+
+
+def _compiled(schemas: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, tuple[tuple[str, Any], ...]]]:
+    """Per kind: its field names and a test for each, built once (a heartbeat is checked
+    thousands of times a second at a large job's coordinator)."""
+    if id(schemas) not in _COMPILED:
+        _COMPILED[id(schemas)] = {kind: (schema.keys(), tuple(
+            (name, _predicate(expected)) for name, expected in schema.items()))
+            for kind, schema in schemas.items()}
+    return _COMPILED[id(schemas)]
+
+
 def _check_fields(kind: Any, fields: dict[str, Any],
                   schemas: dict[str, dict[str, Any]] = SCHEMA) -> None:
-    schema = schemas.get(kind) if isinstance(kind, str) else None
-    if schema is None:
+    compiled = _compiled(schemas).get(kind) if isinstance(kind, str) else None
+    if compiled is None:
         raise ProtocolError(f"unknown message type {kind!r}")
-    if set(fields) != set(schema):
-        raise ProtocolError(f"{kind}: fields {sorted(map(repr, fields))} != {sorted(schema)}")
-    for name, expected in schema.items():
-        value = fields[name]
-        if callable(expected) and not isinstance(expected, (type, tuple)):
-            if not expected(value):
-                raise ProtocolError(f"{kind}.{name}: malformed")
-        elif isinstance(value, bool) or not isinstance(value, expected):
-            raise ProtocolError(f"{kind}.{name}: wrong type {type(value).__name__}")
+    names, tests = compiled
+    if fields.keys() != names:
+        raise ProtocolError(f"{kind}: fields {sorted(map(repr, fields))} != {sorted(names)}")
+    for name, test in tests:
+        if not test(fields[name]):
+            expected = schemas[kind][name]
+            what = "malformed" if test is expected else \
+                f"wrong type {type(fields[name]).__name__}"
+            raise ProtocolError(f"{kind}.{name}: {what}")

@@ -28,22 +28,9 @@ from ftlaunch_contract.messages import (
 )
 from ftlaunch_contract.protocol import Codec, Envelope, ProtocolError
 from launcher import UsageError, membership
-from launcher.coordinator import Coordinator, JobState, bind_router
+from launcher.coordinator import Coordinator, JobState, bind_router, keep_alive
 
 log = logging.getLogger("ftlaunch.control")
-
-HEARTBEATS_PER_SECOND = 2048
-"""What a coordinator hears at most from a large job's heartbeats: beyond that many nodes
-per configured interval, each node heartbeats less often (see beat_interval)."""
-
-
-def beat_interval(configured: float, node_timeout: float, nodes: int) -> float:
-    """Seconds between a node's heartbeats in a job of ``nodes``: the configured interval,
-    or longer once the coordinator would hear more than HEARTBEATS_PER_SECOND, never more
-    than a third of the node timeout (heartbeats go over TCP: none is lost on the way, and
-    a node is declared lost only after 3 missed)."""
-    return max(configured, min(node_timeout / 3, nodes / HEARTBEATS_PER_SECOND))
-
 
 def job_secret(secret_file: str | None, rdzv_id: str, single_node: bool) -> bytes:
     """The per-job key for message signatures: FTLAUNCH_SECRET, --secret-file, or a default."""
@@ -90,15 +77,16 @@ class ControlPlane:
         self._context, self._secret = context, secret
         self.node_id, self.addr = node_id, addr
         self._new_state = new_state
-        # Until an assign says how large the job is, as a node of a large one: 16,384 agents
-        # joining at 0.5 s would bury their joins under 32,768 heartbeats a second.
+        # Until an assign says how large the job is, as a node of a large one.
         self._node_timeout, self._configured_interval = node_timeout, heartbeat_interval
-        self._interval = beat_interval(heartbeat_interval, node_timeout, 1 << 30)
+        self._interval = membership.beat_interval(heartbeat_interval, node_timeout, None)
+        self._liveness = node_timeout  # how long the coordinator may be silent (see Assign)
+        self._woke_at = -1e9
         self.codec = Codec(secret)
         self.coordinator: Coordinator | None = None
         self._redirecting: Coordinator | None = None  # see _host
         self.standby: zmq.Socket | None
-        self.standby, self.standby_port = bind_router(context, addr, 0)
+        self.standby, self.standby_port = bind_router(context, addr, 0, node_timeout)
         self.members: Successors = ()  # by group rank: who would take over the coordinator
         self.coordinator_node = ""
         self.redirected = False  # we follow a redirect and have not been assigned since
@@ -112,6 +100,7 @@ class ControlPlane:
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
+        keep_alive(self.socket, node_timeout)
         self._endpoint = f"tcp://{endpoint[0]}:{endpoint[1]}"
         self.socket.connect(self._endpoint)
         # The coordinator's process dying closes our connection: act on it at once.
@@ -152,7 +141,7 @@ class ControlPlane:
         try:
             bind_host = "0.0.0.0" if names_this_host(endpoint[0]) else \
                 socket.gethostbyname(endpoint[0])
-            sock, _ = bind_router(self._context, bind_host, endpoint[1])
+            sock, _ = bind_router(self._context, bind_host, endpoint[1], self._node_timeout)
         except (zmq.ZMQError, OSError):
             return  # the endpoint is another machine's, or another agent here got it first
         self._host(sock, self.new_state_for_host())
@@ -174,8 +163,10 @@ class ControlPlane:
             self.members = received.body.members
             self.coordinator_node = received.body.coordinator_node
         if isinstance(received.body, Assign):
-            self._interval = beat_interval(self._configured_interval, self._node_timeout,
-                                                received.body.group_world_size)
+            nodes = received.body.group_world_size
+            self._interval = membership.beat_interval(self._configured_interval,
+                                                      self._node_timeout, nodes)
+            self._liveness = membership.liveness_timeout(self._node_timeout, nodes)
         elif isinstance(received.body, Redirect):  # the job runs under a successor: go there
             self._reconnect(f"tcp://{received.body.addr}:{received.body.port}")
             self.coordinator_node = received.body.coordinator_node
@@ -191,7 +182,7 @@ class ControlPlane:
     def redirect_went_silent(self, now: float) -> bool:
         """Sent to a successor that never answered: gone too (a redirect can be stale)."""
         return self.redirected and not self.knows_successors and (
-            self.connection_lost or now - self.last_heard > self._node_timeout)
+            self.connection_lost or now - self.last_heard > self._liveness)
 
     def back_to_rendezvous(self) -> None:
         """Ask at the rendezvous endpoint again: whoever runs the job now is announced there."""
@@ -200,16 +191,25 @@ class ControlPlane:
         self._reconnect(self._rendezvous)
 
     def on_monitor(self) -> None:
-        """Connection events of our socket: the coordinator we follow went away, or is
-        there (again); events of an endpoint we left are not about it."""
+        """Connection events of our socket, as they come."""
         while True:
             try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+                self.on_connection_event(recv_monitor_message(self.monitor, zmq.NOBLOCK))
             except zmq.Again:
                 return
-            if event["endpoint"].decode(errors="replace") != self._endpoint:
-                continue
-            self.connection_lost = event["event"] == zmq.EVENT_DISCONNECTED
+
+    def on_connection_event(self, event: dict) -> None:
+        """The coordinator we follow went away, or is there (again); events of an endpoint
+        we left are not about it."""
+        if event["endpoint"].decode(errors="replace") != self._endpoint:
+            return
+        lost = event["event"] == zmq.EVENT_DISCONNECTED
+        if lost and time.monotonic() - self._woke_at < self._node_timeout:
+            # The coordinator's kernel gave up on us while we were frozen: our socket
+            # reconnects; if the coordinator is gone meanwhile, its silence says so.
+            log.info("connection to the coordinator closed while this agent was frozen")
+            return
+        self.connection_lost = lost
 
     def heartbeat_if_due(self, now: float, epoch: int, phase: str = "",
                          ranks: RankStates = ()) -> None:
@@ -225,6 +225,8 @@ class ControlPlane:
         coordinator's. Speak first; if we were dropped meanwhile, it tells us to re-join."""
         self.last_heard = now
         self.next_heartbeat = now
+        self._woke_at = now
+        self.connection_lost = False
 
     @property
     def knows_successors(self) -> bool:
@@ -237,7 +239,7 @@ class ControlPlane:
         node came back as the endpoint while the job ran under a successor)."""
         follows_own = self.hosting and self.coordinator_node in ("", self.node_id)
         return not follows_own and self.knows_successors and (
-            self.connection_lost or now - self.last_heard > self._node_timeout)
+            self.connection_lost or now - self.last_heard > self._liveness)
 
     def fail_over(self, epoch: int, restart_count: int, group_world_size: int) -> str | None:
         """Follow the coordinator to its successor (maybe us); returns the successor or None."""

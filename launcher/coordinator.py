@@ -126,9 +126,24 @@ class JobState:
     node_status: dict[str, tuple[str, RankStates]] = field(default_factory=dict)  # heartbeats
 
 
-def bind_router(context: zmq.Context, addr: str, port: int) -> tuple[zmq.Socket, int]:
+def keep_alive(sock: zmq.Socket, node_timeout: float) -> None:
+    """A machine that goes silent (powered off, cut off, paused) has its connections closed
+    by the kernel once nothing came back for ``node_timeout``, whatever the heartbeat rate:
+    TCP keepalive probes an idle connection every second or so and TCP_USER_TIMEOUT
+    (ZMQ_TCP_MAXRT) ends it; both ends get a disconnect event. The probes are the kernel's:
+    no process wakes for them. A frozen process on a live machine still answers them."""
+    probe = max(1, int(node_timeout / 5))
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, probe)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, probe)
+    sock.setsockopt(zmq.TCP_MAXRT, int(node_timeout * 1000))
+
+
+def bind_router(context: zmq.Context, addr: str, port: int,
+                node_timeout: float) -> tuple[zmq.Socket, int]:
     """A ROUTER socket bound to addr:port (port 0 = any free port)."""
     sock = context.socket(zmq.ROUTER)
+    keep_alive(sock, node_timeout)
     sock.setsockopt(zmq.LINGER, 1000)  # let the last "stop" reach every agent
     sock.setsockopt(zmq.MAXMSGSIZE, 2 << 20)  # anything larger is cut off by ZeroMQ itself
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -249,6 +264,8 @@ class Coordinator:
         """Handle the messages already queued, at most DRAIN_BATCH: under a stream faster
         than we keep up with, the round's completion and the liveness tick still run."""
         for _ in range(DRAIN_BATCH):
+            if not self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than zmq.Again
+                return
             try:
                 parts = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -270,9 +287,20 @@ class Coordinator:
     def _send(self, identity: bytes, msg: Body) -> None:
         self._socket.send_multipart([identity, *self._codec.encode(msg, self._state.epoch)])
 
+    def _send_to_all(self, identities: list[bytes], msg: Body) -> None:
+        """One encoding for all: each receiver checks sequence numbers on its own."""
+        frames = self._codec.encode(msg, self._state.epoch)
+        for identity in identities:
+            self._socket.send_multipart([identity, *frames])
+
     def _broadcast(self, msg: Body) -> None:
-        for identity in self._state.identities.values():
-            self._send(identity, msg)
+        self._send_to_all(list(self._state.identities.values()), msg)
+
+    def _seen(self, node: str, now: float) -> None:
+        """Heard from ``node``: last_seen stays in the order nodes were heard (oldest first),
+        so the liveness tick reads only the silent ones."""
+        self._state.last_seen.pop(node, None)
+        self._state.last_seen[node] = now
 
     # --- messages ------------------------------------------------------------------------
 
@@ -308,12 +336,12 @@ class Coordinator:
             s.epoch = received.epoch
         if isinstance(msg, Heartbeat):
             if node in s.members or node in s.group_ranks:  # after a takeover: not joined yet
-                s.last_seen[node] = now
+                self._seen(node, now)
                 s.node_status[node] = (msg.phase, msg.ranks)
                 s.identities[node] = identity
-                # An agent takes the coordinator for lost after node_timeout without a word
-                # from it: a few acks within that are enough, not one per heartbeat.
-                if now - self._acked.get(identity, -1e9) >= s.node_timeout / ACKS_PER_TIMEOUT:
+                # An agent takes the coordinator for lost after the liveness timeout without
+                # a word from it: a few acks within that are enough, not one per heartbeat.
+                if now - self._acked.get(identity, -1e9) >= self._liveness() / ACKS_PER_TIMEOUT:
                     self._acked[identity] = now
                     self._send(identity, HeartbeatAck())
             else:  # declared lost but alive (it froze, or the network healed): come back in
@@ -338,7 +366,7 @@ class Coordinator:
             log.info("ignored stale %s (epoch %d, now %d)", msg.TYPE, received.epoch, s.epoch)
             return
         if node in s.members:
-            s.last_seen[node] = now
+            self._seen(node, now)
         match msg:
             case StoreReady() if s.phase == RoundPhase.WAITING_STORE:
                 s.phase = RoundPhase.RUNNING
@@ -377,7 +405,7 @@ class Coordinator:
         s.standby_ports[node] = msg.standby_port
         s.replica_ports[node], s.held[node] = msg.replica_port, msg.held
         s.identities[node] = identity
-        s.last_seen[node] = now
+        self._seen(node, now)
         # A coordinator that started afresh (its node re-created) learns the job's restarts.
         s.restart_count = max(s.restart_count, msg.restart_count)
         if s.phase == RoundPhase.JOINING and (node in s.round_joined
@@ -553,9 +581,8 @@ class Coordinator:
 
     def _broadcast_round(self, msg: Body) -> None:
         """To the nodes of the current round we can reach (a successor knows none at first)."""
-        for node in self._state.group_ranks:
-            if node in self._state.identities:
-                self._send(self._state.identities[node], msg)
+        identities = self._state.identities
+        self._send_to_all([identities[n] for n in self._state.group_ranks if n in identities], msg)
 
     def _finish(self, exit_code: int, reason: str) -> None:
         self._state.phase = RoundPhase.DONE
@@ -566,8 +593,7 @@ class Coordinator:
         s = self._state
         if s.final is not None:
             return
-        alive = {n: t for n, t in s.last_seen.items() if n != s.host_node}
-        for node in membership.silent_members(alive, now, s.node_timeout):
+        for node in membership.silent_members(s.last_seen, now, self._liveness(), s.host_node):
             self._lose(node, now)
         if (s.final is None and s.phase == RoundPhase.JOINING
                 and not self._maybe_complete_round(now)
@@ -583,6 +609,10 @@ class Coordinator:
             missing = sorted(set(s.group_ranks) - s.finished)
             self._finish(exit_codes.JOB_FAILED, f"exit barrier timed out waiting for {missing}")
 
+    def _liveness(self) -> float:
+        """Heartbeat silence that loses a node: a large job heartbeats less often."""
+        return membership.liveness_timeout(self._state.node_timeout, len(self._state.group_ranks))
+
     def _maybe_complete_round(self, now: float) -> bool:
         s = self._state
         reason = membership.round_complete(s.round_joined, s.expected, s.min_nodes,
@@ -595,12 +625,18 @@ class Coordinator:
 
     def _disconnected(self, identity: bytes, now: float) -> None:
         """A member's connection closed: its agent died (a process that exits closes its
-        sockets; a frozen or cut-off machine does not, and waits for the node timeout)."""
+        sockets), or the kernel ended it after the node timeout without a packet from its
+        machine (keep_alive: powered off, cut off). A frozen process on a live machine
+        keeps its connection and is found by its heartbeats' silence."""
         s = self._state
         node = next((n for n, i in s.identities.items() if i == identity), None)
         if node is None or node == s.host_node or s.final is not None or node in s.leaving:
             return  # not a member (a status query, a spare's old link), or on its way out
-        self._lose(node, now, f"node {node} lost (its agent's connection closed)")
+        quiet = now - s.last_seen.get(node, now)
+        why = f"nothing from its machine for {s.node_timeout:g}s" \
+            if quiet >= s.node_timeout - max(1, int(s.node_timeout / 5)) \
+            else "its agent's connection closed"
+        self._lose(node, now, f"node {node} lost ({why})")
 
     def _lose(self, node: str, now: float, cause: str = "") -> None:
         s = self._state
@@ -608,7 +644,7 @@ class Coordinator:
             log.warning("%s", cause)
         else:
             log.warning("node %s lost: no heartbeat for %.1fs", node, now - s.last_seen[node])
-            cause = f"node {node} lost (no heartbeat for {s.node_timeout:g}s)"
+            cause = f"node {node} lost (no heartbeat for {self._liveness():g}s)"
         for table in (s.members, s.standby_ports, s.identities, s.last_seen, s.held,
                       s.replica_ports):
             table.pop(node, None)

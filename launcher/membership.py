@@ -60,9 +60,44 @@ def round_complete(joined: set[str], expected: set[str], min_nodes: int, max_nod
     return None
 
 
-def silent_members(last_seen: dict[str, float], now: float, timeout: float) -> list[str]:
-    """Members not heard from for more than ``timeout`` seconds: declared lost."""
-    return sorted(node for node, seen in last_seen.items() if now - seen > timeout)
+HEARTBEATS_PER_SECOND = 1024
+"""What a coordinator hears at most from a large job's heartbeats: beyond that many nodes
+per configured interval, each node heartbeats less often (see beat_interval)."""
+MAX_BEAT_INTERVAL = 30.0
+
+
+def beat_interval(configured: float, node_timeout: float, nodes: int | None) -> float:
+    """Seconds between a node's heartbeats in a running job of ``nodes``: the configured
+    interval, or longer once the coordinator would hear more than HEARTBEATS_PER_SECOND
+    (at most MAX_BEAT_INTERVAL). Not assigned yet (None): a third of the node timeout, as
+    in a large job (16,384 agents joining at 0.5 s would bury their joins under 32,768
+    heartbeats a second). A machine that goes silent is found by TCP within the node
+    timeout whatever this is (coordinator.keep_alive); heartbeats find a frozen agent
+    process, whose kernel still answers TCP, and carry its status."""
+    if nodes is None:
+        return max(configured, node_timeout / 3)
+    return max(configured, min(MAX_BEAT_INTERVAL, nodes / HEARTBEATS_PER_SECOND))
+
+
+def liveness_timeout(node_timeout: float, nodes: int) -> float:
+    """Seconds without a heartbeat after which a node of a job of ``nodes`` is lost (and,
+    to its agents, the coordinator): the node timeout, or three of a large job's slower
+    beats (none is lost on the way: they go over TCP)."""
+    return max(node_timeout, 3 * min(MAX_BEAT_INTERVAL, nodes / HEARTBEATS_PER_SECOND))
+
+
+def silent_members(last_seen: dict[str, float], now: float, timeout: float,
+                   exempt: str = "") -> list[str]:
+    """Members not heard from for more than ``timeout`` seconds: declared lost. ``last_seen``
+    is in the order they were heard (oldest first): reading stops at the first one heard
+    since, so a tick costs the silent ones, not the job's size. ``exempt``: alive anyway."""
+    silent = []
+    for node, seen in last_seen.items():
+        if now - seen <= timeout and node != exempt:
+            break
+        if node != exempt:
+            silent.append(node)
+    return sorted(silent)
 
 
 def successor(members_by_rank: list[str], lost: set[str]) -> str | None:

@@ -17,7 +17,10 @@ while all N heartbeat), node loss (one agent silent: its last heartbeat -> every
 has recover; compare --node-timeout), a dead agent (its sockets closed -> every survivor has
 recover), re-formed after each loss, and the coordinator lost twice: its process killed
 (connections close: -> every survivor has its assign from the successor) and the
-successor's process stopped (SIGSTOP, a silent machine: waits --node-timeout).
+successor's machine gone silent (its process stopped and its port dropped by iptables: the
+kernel's keepalive closes the connections after --node-timeout). A silent machine is also
+measured for an ordinary node (agent 3, alone in its process), beside a frozen agent process
+(heartbeats stop, its kernel still answers TCP: a large job waits three of its beats).
 Times are CLOCK_MONOTONIC, one clock for every process of the machine.
 
     python scripts/bench_rendezvous.py --sizes 256 --torch-max 0       # smoke check (~30 s)
@@ -34,6 +37,7 @@ import multiprocessing as mp
 import os
 import platform
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,6 +49,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ftlaunch_contract.messages import Assign, Join, Recover, Redirect, Start, StoreReady
+from launcher import membership
 from launcher.control_plane import ControlPlane
 from launcher.coordinator import JobState
 
@@ -104,6 +109,7 @@ class Agents:
         self.n, self.interval = n, interval
         self.planes, self.epoch, self.assign = {}, {}, {}
         self.silent, self.closed = set(), set()
+        self.next_scan = 0.0
         self.seen = {"assign": {}, "start": {}, "recover": {}, "failover": {}}
         self.last_beat, self.beats, self.joined = {}, 0, False  # no heartbeat before a join
         self.poller, self.by_socket = zmq.Poller(), {}
@@ -169,6 +175,9 @@ class Agents:
                 if received is not None:
                     self.on_message(i, received, time.monotonic())
         now = time.monotonic()
+        if now < self.next_scan:  # 2,000 agents a process: not every few milliseconds
+            return
+        self.next_scan = now + 0.02
         for i in self.live():
             p = self.planes[i]
             if self.joined and now >= p.next_heartbeat:
@@ -226,6 +235,9 @@ def agents_main(conn, port, ids, n, addr, node_timeout, interval, fds):
             elif cmd == "silence":  # frozen: no heartbeat, nothing read; its sockets stay open
                 agents.silent.add(args[0])
                 conn.send(agents.last_beat.get(args[0]))
+            elif cmd == "local_ports":  # this process's connections to the coordinator
+                conn.send([c.laddr.port for c in psutil.Process().net_connections("tcp")
+                           if c.raddr and c.raddr.port == port])
             elif cmd == "close":  # its process died: the kernel closes its connections
                 p = agents.planes[args[0]]
                 agents.closed.add(args[0])
@@ -239,6 +251,8 @@ def agents_main(conn, port, ids, n, addr, node_timeout, interval, fds):
             elif cmd == "threads":  # the coordinator's thread, if this process hosts it
                 hosts = [p.coordinator for p in agents.planes.values() if p.hosting]
                 conn.send(hosts[0]._thread.native_id if hosts else None)
+            elif cmd == "standby_port":  # where it hosts the coordinator, as a successor
+                conn.send(agents.planes[ids[0]].standby_port)
             elif cmd == "epoch":
                 conn.send(max(agents.epoch.values()))
             elif cmd == "quit":
@@ -251,8 +265,9 @@ class Job:
 
     def __init__(self, n, procs, node_timeout, interval):
         self.n, self.port, self.ctx = n, free_port(), mp.get_context("spawn")
-        rest = list(range(3, n))
-        slices = [[0], [1], [2]] + [rest[k::procs] for k in range(procs) if rest[k::procs]]
+        rest = list(range(4, n))
+        slices = [[0], [1], [2], [3]] + [rest[k::procs] for k in range(procs) if rest[k::procs]]
+        self.stopped = set()  # processes SIGSTOPped: asked nothing more
         self.owner = {i: k for k, ids in enumerate(slices) for i in ids}
         self.conns, self.procs = [], []
         for k, ids in enumerate(slices):
@@ -277,7 +292,8 @@ class Job:
             raise RuntimeError(str(reply))
 
     def ask(self, *cmd, which=None):
-        which = range(len(self.conns)) if which is None else which
+        which = [k for k in range(len(self.conns)) if k not in self.stopped] \
+            if which is None else which
         for k in which:
             self.conns[k].send(cmd)
         return [self.conns[k].recv() for k in which]
@@ -313,11 +329,41 @@ class Job:
                 out["zmq_io"] += used
         return out
 
+    def stop(self, k):
+        """Process k's machine goes silent: the process stops (SIGSTOP), nothing reaches it."""
+        os.kill(self.procs[k].pid, signal.SIGSTOP)
+        self.stopped.add(k)
+
     def close(self):
         for proc in self.procs:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
             proc.join(5)
+
+
+@contextlib.contextmanager
+def silenced(ports):
+    """Nothing in or out of these local TCP ports (loopback): iptables rules, removed after."""
+    rules = [["-p", "tcp", flag, str(port), "-j", "DROP"] for port in ports
+             for flag in ("--sport", "--dport")]
+    added = []
+    try:
+        for rule in rules:
+            subprocess.run(["iptables", "-I", "INPUT", *rule], check=True, capture_output=True)
+            added.append(rule)
+        yield
+    finally:
+        for rule in added:
+            subprocess.run(["iptables", "-D", "INPUT", *rule], capture_output=True)
+
+
+def can_silence():
+    return os.geteuid() == 0 and shutil.which("iptables") is not None
+
+
+def softirq_jiffies():
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[7])  # cpu user nice system idle iowait irq softirq
 
 
 def bench_ftlaunch(n, args):
@@ -338,22 +384,39 @@ def bench_ftlaunch(n, args):
         # Steady state: everyone heartbeating.
         time.sleep(2.0)
         beats0, cpu0, w0 = sum(job.ask("beats")), job.cpu(0), time.monotonic()
+        irq0 = softirq_jiffies()
         time.sleep(args.cpu_window)
         beats1, cpu1, w1 = sum(job.ask("beats")), job.cpu(0), time.monotonic()
         out["heartbeats_per_s"] = (beats1 - beats0) / (w1 - w0)
+        # The kernel's share (TCP keepalive probes, softirq of every process): the machine's.
+        out["machine_softirq_fraction"] = (softirq_jiffies() - irq0) / os.sysconf(
+            "SC_CLK_TCK") / (w1 - w0)
         for key in cpu0:  # the coordinator: its thread and ZeroMQ's I/O thread
             out[f"cpu_{key}"] = (cpu1[key] - cpu0[key]) / (w1 - w0)
         out["coordinator_cpu_fraction"] = out["cpu_coordinator_thread"] + out["cpu_zmq_io"]
-        # A silent machine: the last agent stops heartbeating (its connection stays open).
+        # A frozen agent process: the last agent stops heartbeating and reading; its kernel
+        # still answers TCP. Found by heartbeats: three of a large job's beats.
+        liveness = membership.liveness_timeout(args.node_timeout, n)
+        out["liveness_timeout_s"] = liveness
         epoch = max(job.ask("epoch"))
         silent = n - 1
         silenced_at = time.monotonic()
         last_beat = job.ask("silence", silent, which=[job.owner[silent]])[0]
-        first, last = job.wait("recover", epoch, limit + 2 * args.node_timeout)
+        first, last = job.wait("recover", epoch, limit + 2 * liveness)
         out["silent_loss_after_last_beat_s"] = last - last_beat
         out["silent_loss_after_silence_s"] = last - silenced_at
         out["silent_loss_first_recover_s"] = first - last_beat
         out["reformed_after_silent_s"] = job.wait("start", epoch + 1, limit)[1] - last
+        if can_silence():  # a silent machine: agent 3's process stopped, its port dropped
+            epoch = max(job.ask("epoch"))
+            ports = job.ask("local_ports", which=[3])[0]
+            with silenced(ports):
+                machine_at = time.monotonic()
+                job.stop(3)
+                first, last = job.wait("recover", epoch, limit + 2 * args.node_timeout)
+            out["machine_loss_s"], out["machine_loss_first_recover_s"] = \
+                last - machine_at, first - machine_at
+            out["reformed_after_machine_s"] = job.wait("start", epoch + 1, limit)[1] - last
         # A dead agent process: its connections close.
         epoch = max(job.ask("epoch"))
         dead = n - 2
@@ -365,20 +428,24 @@ def bench_ftlaunch(n, args):
         epoch = max(job.ask("epoch"))
         killed_at = time.monotonic()
         os.kill(job.procs[0].pid, signal.SIGKILL)
-        survivors = [k for k in range(1, len(job.conns))]
+        survivors = [k for k in range(1, len(job.conns)) if k not in job.stopped]
         out["failover_dead_s"] = job.wait("assign", epoch + 1, limit + args.node_timeout,
                                           which=survivors)[1] - killed_at
         out["failover_dead_ready_s"] = job.wait("start", epoch + 1, limit,
                                                 which=survivors)[1] - killed_at
-        # The successor's machine goes silent (SIGSTOP agent 1's process): agent 2 takes over.
+        # The successor's machine goes silent (agent 1's process stopped; with iptables,
+        # its port dropped too): agent 2 takes over.
         epoch = max(job.ask("epoch", which=survivors))
-        stopped_at = time.monotonic()
-        os.kill(job.procs[1].pid, signal.SIGSTOP)
-        survivors = survivors[1:]
-        out["failover_silent_s"] = job.wait("assign", epoch + 1, limit + 2 * args.node_timeout,
-                                            which=survivors)[1] - stopped_at
-        out["failover_silent_ready_s"] = job.wait("start", epoch + 1, limit,
-                                                  which=survivors)[1] - stopped_at
+        standby = job.ask("standby_port", which=[1])[0]
+        with silenced([standby]) if can_silence() else contextlib.nullcontext():
+            stopped_at = time.monotonic()
+            job.stop(1)
+            survivors = survivors[1:]
+            wait = args.node_timeout if can_silence() else liveness
+            out["failover_silent_s"] = job.wait("assign", epoch + 1, limit + 2 * wait,
+                                                which=survivors)[1] - stopped_at
+            out["failover_silent_ready_s"] = job.wait("start", epoch + 1, limit,
+                                                      which=survivors)[1] - stopped_at
         out["ok"] = True
     except (TimeoutError, RuntimeError, EOFError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
@@ -480,7 +547,10 @@ def bench_torch(n, limit, keep_alive):
 COLUMNS = [("formed_s", "formed s"), ("ready_s", "ready s"),
            ("coordinator_cpu_fraction", "coordinator CPU, heartbeating (core)"),
            ("heartbeats_per_s", "heartbeats/s"),
-           ("silent_loss_after_last_beat_s", "silent node: last beat -> all recover s"),
+           ("machine_softirq_fraction", "machine softirq (core)"),
+           ("machine_loss_s", "silent machine: silenced -> all recover s"),
+           ("silent_loss_after_last_beat_s", "frozen agent process: last beat -> all recover s"),
+           ("liveness_timeout_s", "its liveness timeout s"),
            ("dead_loss_s", "dead agent: closed -> all recover s"),
            ("failover_dead_s", "coordinator process dies -> all assigned s"),
            ("failover_silent_s", "coordinator machine silent -> all assigned s")]
@@ -507,8 +577,8 @@ def plot(rows, path, node_timeout):
         ax1.plot(ns, [r.get(key, float("nan")) for r in ok], "o-", label=label)
     ax1.set(xlabel="agents N", ylabel="seconds", title="Time against N")
     ax1.legend(fontsize=8)
-    for key, label in [("silent_loss_after_last_beat_s", "silent node: last beat -> all recover"),
-                       ("failover_silent_s", "coordinator silent -> all re-assigned")]:
+    for key, label in [("machine_loss_s", "silent machine -> all recover"),
+                       ("failover_silent_s", "coordinator machine silent -> all re-assigned")]:
         ax2.plot(ns, [r.get(key, float("nan")) - node_timeout for r in ok], "o-", label=label)
     ax2.axhline(0.1, color="grey", ls=":", label="target: timeout + 0.1 s")
     ax2.axhline(0.2, color="grey", ls="--", label="target: timeout + 0.2 s")

@@ -20,12 +20,16 @@ NODES = [f"n{i}" for i in range(5)]
 
 
 class CapturingSocket:
+    """Decodes what is sent as each receiver would: one codec per identity (a broadcast is
+    one encoding, its sequence number seen once by each)."""
+
     def __init__(self) -> None:
-        self.codec = Codec(SECRET)
+        self.codecs: dict[bytes, Codec] = {}
         self.sent: list[tuple[bytes, Envelope]] = []
 
     def send_multipart(self, frames: list[bytes]) -> None:
-        self.sent.append((frames[0], self.codec.decode(frames[1:])))
+        codec = self.codecs.setdefault(frames[0], Codec(SECRET))
+        self.sent.append((frames[0], codec.decode(frames[1:])))
 
 
 class CoordinatorMachine(RuleBasedStateMachine):
@@ -81,7 +85,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.now += dt
         for node in self.state.members:  # live nodes keep heartbeating, except sometimes
             if node != "n4":
-                self.state.last_seen[node] = self.now
+                self.coordinator._seen(node, self.now)
         self.coordinator._tick(self.now)
 
     @invariant()
@@ -331,14 +335,44 @@ def test_heartbeats_are_acked_a_few_times_per_node_timeout_not_each():
     assert state.last_seen["b"] == t - 0.1, "every heartbeat still counts as a sign of life"
 
 
-def test_a_large_job_heartbeats_less_often_within_a_third_of_the_node_timeout():
-    from launcher.control_plane import HEARTBEATS_PER_SECOND, beat_interval
+def test_a_large_job_heartbeats_less_often_and_waits_three_of_its_beats():
+    from launcher.membership import (
+        HEARTBEATS_PER_SECOND,
+        MAX_BEAT_INTERVAL,
+        beat_interval,
+        liveness_timeout,
+    )
 
-    assert beat_interval(0.5, 5.0, 2) == 0.5
+    assert beat_interval(0.5, 5.0, 2) == 0.5 and liveness_timeout(5.0, 2) == 5.0
     n = HEARTBEATS_PER_SECOND  # at 0.5 s: twice what the coordinator should hear
     assert n / beat_interval(0.5, 5.0, n) == HEARTBEATS_PER_SECOND
-    assert beat_interval(0.5, 5.0, 1 << 20) == 5.0 / 3, "never past a third of the timeout"
-    assert beat_interval(2.0, 5.0, 1 << 20) == 2.0, "nor shorter than configured"
+    assert liveness_timeout(5.0, n) == 5.0, "three 1 s beats: still the node timeout"
+    big = 16 * HEARTBEATS_PER_SECOND
+    assert big / beat_interval(0.5, 5.0, big) == HEARTBEATS_PER_SECOND
+    assert liveness_timeout(5.0, big) == 3 * beat_interval(0.5, 5.0, big)
+    assert beat_interval(0.5, 5.0, 1 << 30) == MAX_BEAT_INTERVAL
+    assert beat_interval(2.0, 5.0, 2) == 2.0, "never shorter than configured"
+    assert beat_interval(0.5, 5.0, None) == 5.0 / 3, "not assigned yet: as in a large job"
+
+
+def test_a_large_jobs_coordinator_waits_three_of_its_beats_for_a_heartbeat():
+    """A large job heartbeats less often: its coordinator does not take the silence between
+    two beats for a lost node (a silent machine is found by TCP: see keep_alive)."""
+    from launcher.membership import HEARTBEATS_PER_SECOND, liveness_timeout
+
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    _running(coordinator)
+    state = coordinator._state
+    n = 8 * HEARTBEATS_PER_SECOND
+    for i in range(n - 2):  # the rest of a large group, heard from just now
+        state.group_ranks[f"x{i}"] = 2 + i
+    wait = liveness_timeout(state.node_timeout, n)
+    assert wait > state.node_timeout
+    seen = state.last_seen["b"]
+    coordinator._tick(seen + state.node_timeout + 1)
+    assert "b" in state.group_ranks, "lost after the node timeout, between two of its beats"
+    coordinator._tick(seen + wait + 0.1)
+    assert "b" not in state.group_ranks
 
 
 def _running_pair() -> tuple[Coordinator, CapturingSocket]:

@@ -397,9 +397,12 @@ def test_round_complete_says_why(joined, expected, min_reached_at, now, why):
 
 
 def test_silent_members_are_those_past_the_timeout():
-    seen = {"a": 10.0, "b": 7.9, "c": 8.0}
+    seen = {"b": 7.9, "c": 8.0, "a": 10.0}  # in the order heard
     assert silent_members(seen, now=10.0, timeout=2.0) == ["b"]
     assert silent_members({}, now=10.0, timeout=2.0) == []
+    assert silent_members({"host": 1.0, "b": 7.9, "c": 9.0}, 10.0, 2.0, exempt="host") == ["b"]
+    assert silent_members({"b": 1.0, "c": 9.0, "d": 2.0}, 10.0, 2.0) == ["b"], \
+        "reading stops at the first one heard since: the order is the caller's to keep"
 
 
 def test_successor_is_lowest_surviving_group_rank():

@@ -1,0 +1,131 @@
+"""Liveness on real sockets: a silent machine's connection is closed by the kernel after the
+node timeout (keep_alive), and an agent that was itself frozen does not take the closing of
+its connection for a lost coordinator."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+import psutil
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from launcher.control_plane import ControlPlane
+from launcher.coordinator import JobState, bind_router, keep_alive
+
+SECRET = b"liveness-test-secret-0123456789"
+NODE_TIMEOUT = 2.0
+
+
+def _events(monitor: zmq.Socket, until: float) -> list[tuple[float, int]]:
+    """(when, event) of ``monitor`` until ``until`` (monotonic), or its first disconnect."""
+    out = []
+    while time.monotonic() < until:
+        if monitor.poll(50):
+            event = recv_monitor_message(monitor)["event"]
+            out.append((time.monotonic(), event))
+            if event == zmq.EVENT_DISCONNECTED:
+                break
+    return out
+
+
+def _connected_pair(ctx: zmq.Context, tuned: bool) -> tuple[zmq.Socket, zmq.Socket, int]:
+    router, port = bind_router(ctx, "127.0.0.1", 0, NODE_TIMEOUT) if tuned else (None, 0)
+    if router is None:
+        router = ctx.socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer = ctx.socket(zmq.DEALER)
+    if tuned:
+        keep_alive(dealer, NODE_TIMEOUT)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    dealer.send(b"hello")
+    assert router.poll(5000), "no message over loopback"
+    router.recv_multipart()
+    local = [c.laddr.port for c in psutil.Process().net_connections("tcp")
+             if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED]
+    assert len(local) == 1
+    return router, dealer, local[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("iptables") is None,
+                    reason="silencing a connection needs root and iptables")
+def test_a_silent_machines_connection_is_closed_after_the_node_timeout_on_both_ends():
+    ctx = zmq.Context()
+    tuned = _connected_pair(ctx, tuned=True)
+    plain = _connected_pair(ctx, tuned=False)  # what ZeroMQ does without keep_alive
+    monitors = {name: sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                for name, sock in [("router", tuned[0]), ("dealer", tuned[1]),
+                                   ("plain router", plain[0])]}
+    rules = [[flag, str(port)] for port in (tuned[2], plain[2]) for flag in ("--sport", "--dport")]
+    for flag, port in rules:  # nothing in or out: the machine behind it is gone
+        subprocess.run(["iptables", "-I", "INPUT", "-p", "tcp", flag, port, "-j", "DROP"],
+                       check=True)
+    silenced = time.monotonic()
+    try:
+        # By the node timeout (the kernel's timers; slack for a busy machine), not the
+        # default keepalive's count of probes.
+        got = {name: _events(m, silenced + NODE_TIMEOUT + 3)
+               for name, m in monitors.items() if name != "plain router"}
+        plain_events = _events(monitors["plain router"], time.monotonic() + 0.2)
+    finally:
+        for flag, port in rules:
+            subprocess.run(["iptables", "-D", "INPUT", "-p", "tcp", flag, port, "-j", "DROP"])
+        for m in monitors.values():
+            m.close(linger=0)
+        ctx.destroy(linger=0)
+    probe = max(1, int(NODE_TIMEOUT / 5))
+    for name, events in got.items():
+        assert events and events[-1][1] == zmq.EVENT_DISCONNECTED, f"{name}: no disconnect"
+        # Nothing came back for the node timeout, counted from the last packet heard (a
+        # keepalive probe's answer, at most one probe interval before the silence).
+        assert events[-1][0] - silenced >= NODE_TIMEOUT - probe - 0.1, f"{name}: too early"
+    assert plain_events == [], "without keep_alive the connection looks open for minutes"
+
+
+def _control_plane(ctx: zmq.Context, port: int) -> ControlPlane:
+    def state() -> JobState:
+        return JobState(min_nodes=1, max_nodes=2, max_restarts=0, policy="cold", backoff=0.0,
+                        backoff_max=0.0, exit_barrier_timeout=5.0, node_timeout=NODE_TIMEOUT,
+                        last_call=1.0, join_timeout=10.0, host_node="")
+    plane = ControlPlane(ctx, SECRET, "node-b:1", "127.0.0.1", ("127.0.0.1", port), state,
+                         NODE_TIMEOUT, 0.5)
+    assert not plane.hosting, "the endpoint is the test's ROUTER"
+    return plane
+
+
+def _closed_under(plane: ControlPlane, router: zmq.Socket) -> None:
+    """The coordinator's end closes; the plane reads its monitor until it has seen that."""
+    plane.socket.send(b"x")  # connected (the ROUTER has it), so the close is news
+    assert router.poll(5000)
+    router.recv_multipart()
+    router.close(linger=0)
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        if plane.monitor.poll(50):
+            event = recv_monitor_message(plane.monitor)
+            plane.on_connection_event(event)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                return
+    raise AssertionError("no disconnect seen")
+
+
+def test_an_agent_that_was_frozen_does_not_take_its_dropped_connection_for_a_lost_coordinator():
+    """While an agent was frozen, a coordinator may have given up on its connection (the
+    kernel's keepalive): on waking that close is our silence, not the coordinator's loss."""
+    ctx = zmq.Context()
+    try:
+        for frozen in (False, True):
+            router = ctx.socket(zmq.ROUTER)
+            port = router.bind_to_random_port("tcp://127.0.0.1")
+            plane = _control_plane(ctx, port)
+            if frozen:
+                plane.woke(time.monotonic())
+            _closed_under(plane, router)
+            assert plane.connection_lost is (not frozen)
+            plane.close()
+    finally:
+        ctx.destroy(linger=0)
