@@ -67,7 +67,7 @@ LOSS_SECONDS = 3.0  # how long a "loss" fault lasts
 NODE_TIMEOUT = 2.0
 # A healed node hears the coordinator at its next heartbeat (0.2 s); then its ranks stop
 # (--stop-timeout) and it re-joins: a few node timeouts, with slack for two busy cores.
-HEAL_WITHIN = 3 * NODE_TIMEOUT + 6
+HEAL_WITHIN = 2 * NODE_TIMEOUT + 4
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ CAUSES = {  # what a recovery's cause says for each fault kind
     # A hung rank stops its peers at their next collective: any of them may be found first.
     "stop": r"^rank \d+ \(.*\) .*hung", "spin": r"^rank \d+ \(.*\) .*hung",
     "node": r"{node}.*lost", "coordinator": r"{node}.*lost",
-    "partition": r"^node {node} lost \(no heartbeat",  # silent, not gone: the node timeout
+    "partition": r"^node {node} lost \((?!.*connection closed)",  # silent, not gone
 }
 
 
@@ -283,8 +283,8 @@ class Options:
 
     def steps(self) -> int:
         plan = self.schedule()  # room for the last fault to land
-        # A network fault lasts seconds (~300 steps here), beyond the steps between faults.
-        return (plan[-1].step if plan else 0) + 40 + 300 * sum(f.kind in NET_KINDS for f in plan)
+        # A network fault lasts seconds (~250 steps here), beyond the steps between faults.
+        return (plan[-1].step if plan else 0) + 40 + 250 * sum(f.kind in NET_KINDS for f in plan)
 
     def train_args(self, work: Path) -> list[str]:
         return [str(TRAIN), "--shim", "--async-ckpt", *(["--fsdp"] if self.fsdp else []),
@@ -300,11 +300,13 @@ class Lines:
     def __init__(self, verbose: bool):
         self.lines: list[tuple[float, int, str]] = []
         self.ended: set[int] = set()  # nodes whose agent's output reached its end
+        self.followed: set[int] = set()
         self.cond = threading.Condition()
         self.verbose = verbose
 
     def follow(self, proc: subprocess.Popen, node: int, copy: Path) -> None:
         """Read ``proc``'s output; a stamped copy goes to ``copy`` for the post-mortem."""
+        self.followed.add(node)
         def read() -> None:
             with copy.open("w") as f:
                 for line in proc.stdout:
@@ -325,7 +327,7 @@ class Lines:
              accept: Callable[[re.Match], bool] | None = None) -> tuple[int, re.Match]:
         """The first line from index ``since`` on (of ``node``'s agent, if given) that
         matches (and whose match ``accept`` takes): (its index, the match). EOFError if
-        ``node``'s agent ended first."""
+        ``node``'s agent (or, without ``node``, every agent) ended first."""
         regex, deadline = re.compile(pattern), time.monotonic() + timeout
         with self.cond:
             while True:
@@ -336,8 +338,8 @@ class Lines:
                     if m and (accept is None or accept(m)):
                         return i, m
                 since = len(self.lines)
-                if node in self.ended:
-                    raise EOFError(f"node {node}'s agent ended before a line matched {pattern!r}")
+                if node in self.ended or node is None and self.ended == self.followed:
+                    raise EOFError(f"the agent(s) ended before a line matched {pattern!r}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no line matching {pattern!r} within {timeout}s")
@@ -574,9 +576,9 @@ def inject(job: Job, fault: Fault) -> Injected:
     raise ValueError(f"unknown fault kind {kind!r}")
 
 
-def wait_recovered(job: Job, injected: Injected, spare: bool, timeout: float = 120) -> None:
-    """Block until the fault's recovery is over: ranks back (a new spare for a lost node, if
-    ``spare``: a later fault loses one); after a preemption, the job started again."""
+def wait_recovered(job: Job, injected: Injected, timeout: float = 120) -> None:
+    """Block until the fault's recovery is over: ranks back (a new spare for a lost node);
+    after a preemption, the job started again."""
     kind = injected.fault.kind
     if kind == "loss":
         time.sleep(LOSS_SECONDS)  # the fault's length (the job rides it out meanwhile, or not)
@@ -604,7 +606,7 @@ def wait_recovered(job: Job, injected: Injected, spare: bool, timeout: float = 1
         time.sleep(0.05)  # the agents' event files
     if kind == "partition":
         rejoin_after_heal(job, job.agent_of(injected.detail))
-    if kind in MULTI_NODE and spare and job.seated():  # (the job may have ended meanwhile)
+    if kind in MULTI_NODE and job.seated():  # (the job may have ended meanwhile)
         job.starts[-1].append(job.spare(len(job.out.lines)))
 
 
@@ -624,6 +626,10 @@ def rejoin_after_heal(job: Job, agent: subprocess.Popen) -> None:
         job.killed.add(agent.pid)
         os.killpg(agent.pid, signal.SIGKILL)
         agent.wait()
+        # Stranded is what failed: its staging and record go with it, like a dead machine's.
+        for path in [*Path("/dev/shm").glob(f"ftlaunch-staging-{agent.pid}-*"),
+                     *(job.work / "runtime").glob(f"*.{agent.pid}.json")]:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def run_job(opts: Options, work: Path) -> Run:
@@ -634,16 +640,17 @@ def run_job(opts: Options, work: Path) -> Run:
         job.start()
         mark = 0
         try:
-            for i, fault in enumerate(plan):
+            for fault in plan:
                 try:
                     mark, _ = job.out.wait_step(fault.step, mark, timeout=180)
+                except EOFError:
+                    break  # the job ended (the budget spent)
                 except TimeoutError:
                     if not job.alive():
                         break  # the job ended (the budget spent)
                     raise
                 injected.append(inject(job, fault))
-                wait_recovered(job, injected[-1],
-                               any(f.kind in MULTI_NODE for f in plan[i + 1:]))
+                wait_recovered(job, injected[-1])
                 mark = len(job.out.lines)
             for proc in job.alive():
                 proc.wait(timeout=300)

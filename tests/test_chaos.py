@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import types
@@ -217,6 +218,33 @@ def test_a_seeded_campaign_holds_every_invariant(tmp_path, args):
                           text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("  ok   ") == len(chaos.INVARIANTS), done.stdout
+
+
+# The partitioned node fails over to itself, and after the heal waits for its own round
+# until join_timeout, then exits 1 (the successor's coordinator never stands down; see the
+# chaos section of BENCHMARKS.md): the only invariant this campaign is known to break.
+STRANDED = re.compile(r"FAIL completes: after the heal: \['node\d:\d+ neither re-joined nor left")
+
+
+@pytest.mark.skipif(chaos.netns.missing_requirements() is not None,
+                    reason=f"network faults: {chaos.netns.missing_requirements()}")
+def test_a_seeded_campaign_with_partition_and_loss_holds_every_invariant(tmp_path):
+    """2 nodes + spare in network namespaces: 20% loss on a node for 3 s (no recovery), a node
+    cut off past the node timeout and healed (one recovery; it must re-join or leave), then
+    the coordinator's node lost."""
+    args = ["--seed", "63", "--faults", "3", "--nodes", "2", "--nproc", "1",
+            "--kinds", "kill,exception,partition,loss,node,coordinator,segv"]
+    done = subprocess.run([sys.executable, str(SCRIPTS / "chaos.py"), *args,
+                           "--work", str(tmp_path / "run")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = done.stdout + done.stderr
+    assert re.search(r"faults: loss@12 \(20% on node\d:\d+, [1-9]\d* packets dropped\) "
+                     r"partition@24 coordinator@36$", out, re.MULTILINE), out
+    if STRANDED.search(out):  # every other invariant held: the known bug, and nothing else
+        assert done.stdout.count("  ok   ") == len(chaos.INVARIANTS) - 1, out
+        pytest.xfail("a healed partitioned node neither re-joins nor leaves (coordinator.py)")
+    assert done.returncode == 0, out
+    assert done.stdout.count("  ok   ") == len(chaos.INVARIANTS), out
 
 
 def test_a_fault_past_the_restart_budget_is_answered_by_the_jobs_end():
