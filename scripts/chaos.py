@@ -17,7 +17,11 @@ a hang), spin (a GIL-holding hang), writer (SIGKILL a rank right after it staged
 while its writer persists it), node (SIGKILL an agent and its ranks), coordinator (the same,
 of the node hosting the coordinator), sigterm (preemption of every node; the job is started
 again, as a scheduler requeues it), disk (the checkpoint file system full for two saves: a
-tmpfs of its own, mounted for the run; needs root). The same seed draws the same schedule.
+tmpfs of its own, mounted for the run; needs root), partition (a node other than the
+coordinator's cut off by iptables past the node timeout, then healed: it must re-join or
+leave) and loss (10-30% of a node's packets dropped for 3 s: no recovery). The network
+faults need root: each agent then runs in a network namespace of its own (scripts/netns.py;
+--netns for any schedule). The same seed draws the same schedule.
 
     python scripts/chaos.py --seed 1 --faults 6                 # one run, 1 node
     python scripts/chaos.py --seed 1 --faults 6 --nodes 3 --fsdp
