@@ -261,7 +261,9 @@ class JobStatus(Body):
 class Redirect(Body):
     """The job's coordinator is elsewhere: a successor took over while the node at the
     rendezvous endpoint was gone (a re-created pod 0). Sent by that successor to the
-    endpoint, and by a coordinator that never formed a round there to its agents."""
+    endpoint, and by a coordinator that never formed a round there to its agents. The
+    endpoint's coordinator still running the job answers a node it lost that took over
+    from inside a partition with one naming itself (addr "", port 0: where you announce)."""
 
     TYPE = "redirect"
     coordinator_node: str

@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import random
 import secrets
 import socket
 import time
@@ -100,13 +101,21 @@ class ControlPlane:
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
-        keep_alive(self.socket, node_timeout)
         self._endpoint = f"tcp://{endpoint[0]}:{endpoint[1]}"
         self.socket.connect(self._endpoint)
-        # The coordinator's process dying closes our connection: act on it at once.
-        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED
-                                                      | zmq.EVENT_CONNECTED)
-        self.connection_lost = False
+        # In a large job, whose heartbeats and acks are too rare to find a silent machine
+        # within the node timeout: a second connection that never carries a message, so
+        # TCP keepalive alone says whether the coordinator's machine answers (on ours, a
+        # heartbeat in flight would hold keepalive off). Not in a small job: 1 s keepalive
+        # probes, unlike data, are not retransmitted fast, and lossy links would lose it.
+        self.watch = context.socket(zmq.DEALER)
+        self.watch.setsockopt(zmq.LINGER, 0)
+        keep_alive(self.watch, node_timeout)
+        self._watching = False  # connected (see on_job_size)
+        # The coordinator's process dying closes our connections: act on it at once.
+        self.monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+                         for sock in (self.socket, self.watch)]
+        self._down: set[int] = set()  # which of our two connections (0, 1) closed
         self._rendezvous = self._endpoint if endpoint is not None else ""  # where agents meet
         self.last_heard = time.monotonic()
         self.next_heartbeat = time.monotonic() + self._interval
@@ -115,6 +124,11 @@ class ControlPlane:
     def endpoint(self) -> str:
         """Where the coordinator we follow is (tcp://host:port)."""
         return self._endpoint
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between our heartbeats now (see membership.beat_interval)."""
+        return self._interval
 
     @property
     def hosting(self) -> bool:
@@ -163,21 +177,39 @@ class ControlPlane:
             self.members = received.body.members
             self.coordinator_node = received.body.coordinator_node
         if isinstance(received.body, Assign):
-            nodes = received.body.group_world_size
-            self._interval = membership.beat_interval(self._configured_interval,
-                                                      self._node_timeout, nodes)
-            self._liveness = membership.liveness_timeout(self._node_timeout, nodes)
+            self.on_job_size(received.body.group_world_size)
         elif isinstance(received.body, Redirect):  # the job runs under a successor: go there
             self._reconnect(f"tcp://{received.body.addr}:{received.body.port}")
             self.coordinator_node = received.body.coordinator_node
             self.redirected = True
         return None if isinstance(received.body, HeartbeatAck) else received
 
+    def on_job_size(self, nodes: int) -> None:
+        """Heartbeat as a job of ``nodes`` does; a large one watches the coordinator's
+        machine through TCP keepalive (see the watch)."""
+        interval = membership.beat_interval(self._configured_interval, self._node_timeout, nodes)
+        if interval != self._interval:  # every agent was assigned at once: spread their beats
+            self._interval = interval
+            self.next_heartbeat = min(self.next_heartbeat,
+                                      time.monotonic() + random.uniform(0, interval))
+        self._liveness = membership.liveness_timeout(self._node_timeout, nodes)
+        if self._liveness > self._node_timeout and not self._watching:
+            self._watching = True
+            self.watch.connect(self._endpoint)
+
+    @property
+    def connection_lost(self) -> bool:
+        """A connection to the coordinator we follow closed (and has not come back)."""
+        return bool(self._down)
+
     def _reconnect(self, endpoint: str) -> None:
-        self.socket.disconnect(self._endpoint)
+        socks = (self.socket, self.watch) if self._watching else (self.socket,)
+        for sock in socks:
+            sock.disconnect(self._endpoint)
         self._endpoint = endpoint
-        self.connection_lost = False
-        self.socket.connect(self._endpoint)
+        self._down.clear()
+        for sock in socks:
+            sock.connect(self._endpoint)
 
     def redirect_went_silent(self, now: float) -> bool:
         """Sent to a successor that never answered: gone too (a redirect can be stale)."""
@@ -191,14 +223,15 @@ class ControlPlane:
         self._reconnect(self._rendezvous)
 
     def on_monitor(self) -> None:
-        """Connection events of our socket, as they come."""
-        while True:
-            try:
-                self.on_connection_event(recv_monitor_message(self.monitor, zmq.NOBLOCK))
-            except zmq.Again:
-                return
+        """Connection events of our two connections, as they come."""
+        for which, monitor in enumerate(self.monitors):
+            while True:
+                try:
+                    self.on_connection_event(recv_monitor_message(monitor, zmq.NOBLOCK), which)
+                except zmq.Again:
+                    break
 
-    def on_connection_event(self, event: dict) -> None:
+    def on_connection_event(self, event: dict, which: int = 0) -> None:
         """The coordinator we follow went away, or is there (again); events of an endpoint
         we left are not about it."""
         if event["endpoint"].decode(errors="replace") != self._endpoint:
@@ -209,7 +242,10 @@ class ControlPlane:
             # reconnects; if the coordinator is gone meanwhile, its silence says so.
             log.info("connection to the coordinator closed while this agent was frozen")
             return
-        self.connection_lost = lost
+        if lost:
+            self._down.add(which)
+        else:
+            self._down.discard(which)
 
     def heartbeat_if_due(self, now: float, epoch: int, phase: str = "",
                          ranks: RankStates = ()) -> None:
@@ -226,7 +262,7 @@ class ControlPlane:
         self.last_heard = now
         self.next_heartbeat = now
         self._woke_at = now
-        self.connection_lost = False
+        self._down.clear()
 
     @property
     def knows_successors(self) -> bool:
@@ -274,9 +310,10 @@ class ControlPlane:
         """Hosting, wait (up to the node timeout) until the job no longer needs us: a node
         leaving by a signal tells the others to go on once their ranks have stopped, and
         without that word they would wait the node timeout to find us gone."""
-        self.socket.disable_monitor()
-        self.monitor.close(linger=0)
-        self.socket.close()
+        for sock, monitor in zip((self.socket, self.watch), self.monitors, strict=True):
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close()
         if self.coordinator is not None:
             self.coordinator.wait_handed_over(self._node_timeout)
             self.coordinator.close()

@@ -181,6 +181,8 @@ class Coordinator:
         self._acked: dict[bytes, float] = {}  # when each connection's heartbeat was last acked
         self._announcer: zmq.Socket | None = None
         self._announcement = announce[1] if announce else None
+        self._rendezvous = announce[0] if announce else ""
+        self._rounds = 0  # rounds this coordinator formed
         if announce:
             self._announcer = sock.context.socket(zmq.DEALER)
             self._announcer.setsockopt(zmq.LINGER, 0)
@@ -222,12 +224,16 @@ class Coordinator:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        if self._announcer is not None:
+            poller.register(self._announcer, zmq.POLLIN)
         next_tick = 0.0
         while not self._stopping.is_set():
             ready = dict(poller.poll(int(TICK_SECONDS * 1000)))
             if ready:
                 if monitor in ready:  # first: a fd closed may be reused below
                     self._closed_connections(monitor)
+                if self._announcer in ready:
+                    self._answers_to_announcement()
                 self._drain()
                 if self._state.phase == RoundPhase.JOINING and self._state.final is None:
                     self._maybe_complete_round(time.monotonic())  # not a tick later
@@ -255,10 +261,38 @@ class Coordinator:
                 self._disconnected(identity, time.monotonic())
     def _announce(self) -> None:
         if self._announcer is not None and self._announcement is not None \
-                and self._state.final is None:
+                and self._state.final is None and self._state.redirect is None:
             with contextlib.suppress(zmq.Again):  # no one at the endpoint (yet)
                 self._announcer.send_multipart(
                     self._codec.encode(self._announcement, self._state.epoch), zmq.NOBLOCK)
+
+    def _answers_to_announcement(self) -> None:
+        """The endpoint's coordinator still runs the job (we took over from inside a
+        partition: the others went on without our node). Having formed no round, we stand
+        down: our agents are sent to the endpoint, where they join again (as spares, or
+        to scale the job up) instead of waiting for a round that never forms."""
+        assert self._announcer is not None
+        while True:
+            try:
+                frames = self._announcer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = self._codec.decode(frames).body
+            except ProtocolError as e:
+                log.warning("dropped an answer from the rendezvous endpoint: %s", e)
+                continue
+            s = self._state
+            if not isinstance(msg, Redirect) or self._rounds or s.redirect is not None \
+                    or s.final is not None:
+                continue
+            host, _, port = self._rendezvous.removeprefix("tcp://").rpartition(":")
+            log.warning("the job still runs under coordinator node %s at the rendezvous "
+                        "endpoint: standing down, sending our agents there",
+                        msg.coordinator_node)
+            s.redirect = Redirect(coordinator_node=msg.coordinator_node, addr=host,
+                                  port=int(port))
+            self._broadcast(s.redirect)
 
     def _drain(self) -> None:
         """Handle the messages already queued, at most DRAIN_BATCH: under a stream faster
@@ -314,7 +348,10 @@ class Coordinator:
             self._send(identity, Stop(exit_code=s.final[0], reason=s.final[1]))
             return
         if isinstance(msg, Redirect):
-            if not s.group_ranks and s.redirect != msg:
+            if s.group_ranks and s.redirect is None and msg.coordinator_node not in s.group_ranks:
+                # A node we lost took over from inside a partition: the job runs here.
+                self._send(identity, Redirect(coordinator_node=s.host_node, addr="", port=0))
+            elif not s.group_ranks and s.redirect != msg:
                 # We never formed a round: the job went on under a successor while our node
                 # was gone (we are a re-created pod 0). Send our agents, and any that come,
                 # there; the latest successor to announce itself wins (the one before may
@@ -408,8 +445,10 @@ class Coordinator:
         self._seen(node, now)
         # A coordinator that started afresh (its node re-created) learns the job's restarts.
         s.restart_count = max(s.restart_count, msg.restart_count)
-        if s.phase == RoundPhase.JOINING and (node in s.round_joined
-                                              or len(s.round_joined) < s.max_nodes):
+        if s.phase == RoundPhase.JOINING and (node in s.round_joined or node in s.expected
+                                              or len(s.round_joined | s.expected) < s.max_nodes):
+            # The last round's nodes keep their seats: a spare that joins first (it noticed
+            # a lost coordinator before the successor did) takes only a free one.
             s.round_joined.add(node)
             if len(s.round_joined) >= s.min_nodes and s.min_reached_at is None:
                 s.min_reached_at = now
@@ -497,6 +536,7 @@ class Coordinator:
     def _complete_round(self) -> None:
         s = self._state
         committed = s.commits.committed  # of the last world: the newest step storage has
+        self._rounds += 1
         s.epoch += 1
         s.expected_count = 0
         s.finished.clear()

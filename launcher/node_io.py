@@ -113,7 +113,7 @@ class NodeIO:
         self.new_store = lambda addr, port: AgentStore(addr, port, self.template)
         self.capture_stacks = stacks.capture
         self._poller = zmq.Poller()
-        for fd in (self.control.socket, self.control.monitor, self.hub.socket, self._signal_fd,
+        for fd in (self.control.socket, *self.control.monitors, self.hub.socket, self._signal_fd,
                    self.replicas.fd,
                    *([self.health.fd] if self.health is not None else [])):
             self._poller.register(fd, zmq.POLLIN)
@@ -127,7 +127,7 @@ class NodeIO:
                 msg = self.control.receive()
                 if msg is not None:
                     yield msg
-            elif fd is self.control.monitor:
+            elif any(fd is monitor for monitor in self.control.monitors):
                 self.control.on_monitor()  # coordinator_lost() says what it means, at once
             elif fd is self.hub.socket:
                 yield RanksSpoke()

@@ -216,11 +216,14 @@ def recoveries(events: list[dict]) -> list[dict]:
 
 
 def job_events(run: Run) -> list[dict]:
+    return outside_cuts(run.events, [(inj.cut_off, inj.at) for inj in run.injected if inj.cut_off])
+
+
+def outside_cuts(events: list[dict], cuts: list[tuple[str, float]]) -> list[dict]:
     """The events of the nodes in the job: a node cut off by a partition sees everyone else
-    lost (it may fail over to itself) from the cut on; that is its view, not the job's."""
-    cuts = [(inj.cut_off, inj.at) for inj in run.injected if inj.cut_off]
-    return [e for e in run.events if not any(e["node"] == log and e["ts"] >= at
-                                             for log, at in cuts)]
+    lost (it may fail over to itself, then stand down once healed) from the cut on; that is
+    its view, not the job's."""
+    return [e for e in events if not any(e["node"] == log and e["ts"] >= at for log, at in cuts)]
 
 
 def check_recoveries(run: Run, ref: Reference) -> str | None:
@@ -378,6 +381,7 @@ class Job:
         self.cluster: netns.Cluster | None = None
         self.placed: dict[int, netns.Node] = {}  # agent pid -> the namespace it runs in
         self.unseated: set[int] = set()  # agents a partition dropped from the job
+        self.cuts: list[tuple[str, float]] = []  # (log dir, when): agents a partition cut off
         self.stranded: list[str] = []  # what a healed agent did wrong
         self.host = "127.0.0.1"  # where the rendezvous endpoint is
         if opts.in_netns:  # one "machine" per agent that may be alive at once, reused after
@@ -466,7 +470,7 @@ class Job:
     def coordinator(self) -> subprocess.Popen:
         """The agent hosting the coordinator now: the first, or the successor it handed to."""
         host = self.starts[-1][0]
-        for e in sorted(read_events(self.work), key=lambda e: e["ts"]):
+        for e in sorted(outside_cuts(read_events(self.work), self.cuts), key=lambda e: e["ts"]):
             if e["event"] == "coordinator_lost" and e["successor"]:
                 host = next((p for p in self.agents if self.node_id(p) == e["successor"]), host)
         return host
@@ -556,7 +560,8 @@ def inject(job: Job, fault: Fault) -> Injected:
         victim = others[target % len(others)]
         job.unseated.add(victim.pid)
         job.placed[victim.pid].partition()
-        return Injected(fault, at, job.node_id(victim), f"agent{job.agents.index(victim)}")
+        job.cuts.append((f"agent{job.agents.index(victim)}", at))
+        return Injected(fault, at, job.node_id(victim), job.cuts[-1][0])
     if kind == "loss":
         seated = job.seated()
         victim = seated[target % len(seated)]

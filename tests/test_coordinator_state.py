@@ -298,7 +298,9 @@ def test_a_coordinator_that_formed_a_round_ignores_a_redirect():
     epoch, sent = coordinator._state.epoch, len(socket.sent)
     coordinator._handle(b"announcer", Envelope(epoch + 5, CONTROL["redirect"](
         coordinator_node="z", addr="10.0.0.2", port=4000)), 2.0)
-    assert coordinator._state.redirect is None and len(socket.sent) == sent
+    assert coordinator._state.redirect is None, "its agents are not sent away"
+    assert [(to, m.body.TYPE) for to, m in socket.sent[sent:]] == [(b"announcer", "redirect")], \
+        "only the announcer is told where the job runs"
     assert coordinator._state.epoch == epoch, "an announcement's epoch is not adopted"
 
 
@@ -415,3 +417,42 @@ def test_a_peer_error_alone_is_recovered_from_after_a_short_grace():
     assert _recover_causes(socket) == []
     coordinator._tick(2.0 + coordinator_module.PEER_ERROR_GRACE)
     assert _recover_causes(socket) == [f"rank 1 (node b) {PEER_ERROR}"]
+
+
+def test_the_endpoints_running_coordinator_tells_a_node_it_lost_that_took_over_to_stand_down():
+    """A node cut off by a partition takes the coordinator over for itself (from inside it
+    every other node looks lost); once healed, its announcement reaches the endpoint, whose
+    coordinator went on without it: the answer names the endpoint's coordinator. A member
+    announcing (the endpoint's coordinator was frozen, not the others) gets no such answer."""
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    _running(coordinator)
+    announcement = CONTROL["redirect"](coordinator_node="b", addr="10.0.0.2", port=4000)
+    before = len(socket.sent)
+    coordinator._handle(b"b-announcer", Envelope(1, announcement), 2.0)
+    assert socket.sent[before:] == [], "b is still a member: no answer"
+    coordinator._disconnected(b"b", 2.0)  # b lost; the job goes on without it
+    assert "b" not in coordinator._state.group_ranks
+    before = len(socket.sent)
+    coordinator._handle(b"b-announcer", Envelope(1, announcement), 2.5)
+    answers = [m.body for to, m in socket.sent[before:] if to == b"b-announcer"]
+    assert answers and answers[-1] == CONTROL["redirect"](coordinator_node="a", addr="", port=0)
+    assert coordinator._state.redirect is None, "the endpoint's coordinator is not redirected"
+
+
+def test_a_spare_joining_a_round_first_does_not_take_a_survivors_seat():
+    """After a loss, the round waits for the last round's nodes: a spare that joins before
+    one of them (it saw the coordinator go first) takes only a seat nobody expects."""
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    _running(coordinator)
+    coordinator._recover_from("rank 0 (node b) exited with code 1", 2.0)  # a and b re-join
+    join = {"local_world_size": 1, "standby_port": 4000, "rank_hint": -1, "replica_port": 0,
+            "held": (), "restart_count": 1}
+    state = coordinator._state
+    coordinator._handle(b"s", Envelope(state.epoch, CONTROL["join"](
+        node_id="spare", addr="10.0.0.9", **join)), 2.1)
+    assert "spare" not in state.round_joined, "both seats are the last round's"
+    for node in ("b", "a"):
+        coordinator._handle(node.encode(), Envelope(state.epoch, CONTROL["join"](
+            node_id=node, addr="10.0.0.1", **join)), 2.2)
+    coordinator._tick(2.3)
+    assert sorted(state.group_ranks) == ["a", "b"], "the spare waits"

@@ -51,8 +51,11 @@ def _connected_pair(ctx: zmq.Context, tuned: bool) -> tuple[zmq.Socket, zmq.Sock
     return router, dealer, local[0]
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("iptables") is None,
-                    reason="silencing a connection needs root and iptables")
+needs_iptables = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("iptables") is None,
+                                    reason="silencing a connection needs root and iptables")
+
+
+@needs_iptables
 def test_a_silent_machines_connection_is_closed_after_the_node_timeout_on_both_ends():
     ctx = zmq.Context()
     tuned = _connected_pair(ctx, tuned=True)
@@ -60,10 +63,7 @@ def test_a_silent_machines_connection_is_closed_after_the_node_timeout_on_both_e
     monitors = {name: sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 for name, sock in [("router", tuned[0]), ("dealer", tuned[1]),
                                    ("plain router", plain[0])]}
-    rules = [[flag, str(port)] for port in (tuned[2], plain[2]) for flag in ("--sport", "--dport")]
-    for flag, port in rules:  # nothing in or out: the machine behind it is gone
-        subprocess.run(["iptables", "-I", "INPUT", "-p", "tcp", flag, port, "-j", "DROP"],
-                       check=True)
+    rules = _silence([tuned[2], plain[2]])  # nothing in or out: the machine behind it is gone
     silenced = time.monotonic()
     try:
         # By the node timeout (the kernel's timers; slack for a busy machine), not the
@@ -72,8 +72,7 @@ def test_a_silent_machines_connection_is_closed_after_the_node_timeout_on_both_e
                for name, m in monitors.items() if name != "plain router"}
         plain_events = _events(monitors["plain router"], time.monotonic() + 0.2)
     finally:
-        for flag, port in rules:
-            subprocess.run(["iptables", "-D", "INPUT", "-p", "tcp", flag, port, "-j", "DROP"])
+        _unsilence(rules)
         for m in monitors.values():
             m.close(linger=0)
         ctx.destroy(linger=0)
@@ -84,6 +83,19 @@ def test_a_silent_machines_connection_is_closed_after_the_node_timeout_on_both_e
         # keepalive probe's answer, at most one probe interval before the silence).
         assert events[-1][0] - silenced >= NODE_TIMEOUT - probe - 0.1, f"{name}: too early"
     assert plain_events == [], "without keep_alive the connection looks open for minutes"
+
+
+def _silence(ports: list[int]) -> list[list[str]]:
+    rules = [["-p", "tcp", flag, str(port), "-j", "DROP"] for port in ports
+             for flag in ("--sport", "--dport")]
+    for rule in rules:
+        subprocess.run(["iptables", "-I", "INPUT", *rule], check=True)
+    return rules
+
+
+def _unsilence(rules: list[list[str]]) -> None:
+    for rule in rules:
+        subprocess.run(["iptables", "-D", "INPUT", *rule])
 
 
 def _control_plane(ctx: zmq.Context, port: int) -> ControlPlane:
@@ -105,8 +117,8 @@ def _closed_under(plane: ControlPlane, router: zmq.Socket) -> None:
     router.close(linger=0)
     end = time.monotonic() + 10
     while time.monotonic() < end:
-        if plane.monitor.poll(50):
-            event = recv_monitor_message(plane.monitor)
+        if plane.monitors[0].poll(50):
+            event = recv_monitor_message(plane.monitors[0])
             plane.on_connection_event(event)
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 return
@@ -129,3 +141,50 @@ def test_an_agent_that_was_frozen_does_not_take_its_dropped_connection_for_a_los
             plane.close()
     finally:
         ctx.destroy(linger=0)
+
+
+@needs_iptables
+def test_an_agent_finds_its_coordinators_silent_machine_within_the_node_timeout_while_sending():
+    """A message in flight to a silent machine holds TCP keepalive off, and the kernel then
+    counts the timeout from that message's sending: the agent's second, idle connection is
+    what finds the silence within the node timeout, whenever the agent last sent."""
+    ctx = zmq.Context()
+    router, port = bind_router(ctx, "127.0.0.1", 0, NODE_TIMEOUT)
+    plane = _control_plane(ctx, port)
+
+    def connections() -> int:
+        return len([c for c in psutil.Process().net_connections("tcp") if c.raddr
+                    and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED])
+    plane.on_job_size(2)  # a small job: its heartbeats are enough
+    plane.socket.send(b"x")
+    assert router.poll(5000)
+    router.recv_multipart()
+    time.sleep(0.2)
+    assert connections() == 1, "a small job has no idle connection to lose on a lossy link"
+    plane.on_job_size(1 << 14)  # too large for heartbeats to find a silent machine in time
+    end = time.monotonic() + 5
+    while connections() < 2:
+        assert time.monotonic() < end, "the watch did not connect"
+        time.sleep(0.01)
+    rules = _silence([port])
+    silenced, sent, lost_at = time.monotonic(), False, None
+    try:
+        while time.monotonic() < silenced + NODE_TIMEOUT + 3:
+            if not sent and time.monotonic() > silenced + NODE_TIMEOUT - 0.5:
+                plane.socket.send(b"heartbeat")  # in flight, unanswered, from now on
+                sent = True
+            if any(m.poll(0) for m in plane.monitors):
+                plane.on_monitor()
+            if plane.connection_lost:
+                lost_at = time.monotonic()
+                break
+            time.sleep(0.02)
+    finally:
+        _unsilence(rules)
+        plane.close()
+        router.close(linger=0)
+        ctx.destroy(linger=0)
+    probe = max(1, int(NODE_TIMEOUT / 5))
+    assert lost_at is not None, "the coordinator's silent machine was not found"
+    assert NODE_TIMEOUT - probe - 0.1 <= lost_at - silenced < NODE_TIMEOUT + 0.75, \
+        "not counted from the last message's sending"
