@@ -7,7 +7,7 @@ import contextlib
 import hashlib
 import logging
 import os
-import random
+import resource
 import secrets
 import socket
 import time
@@ -69,6 +69,21 @@ def outgoing_addr(host: str) -> str:
             return "127.0.0.1"
 
 
+def room_for_connections(nodes: int, watched: bool) -> None:
+    """A coordinator holds a connection per agent (two in a large job: see the watch):
+    raise the open-file limit to what ``nodes`` need, or say why the job will not fit."""
+    need = nodes * (2 if watched else 1) + 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= need:
+        return
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
+    if min(need, hard) < need:
+        log.warning("open files are limited to %d here, below the %d connections a "
+                    "coordinator of %d nodes needs: agents past that cannot connect; raise "
+                    "`ulimit -n` (LimitNOFILE) on the nodes", hard, need, nodes)
+
+
 class ControlPlane:
     """The DEALER socket to the current coordinator, plus this agent's standby ROUTER."""
 
@@ -78,10 +93,10 @@ class ControlPlane:
         self._context, self._secret = context, secret
         self.node_id, self.addr = node_id, addr
         self._new_state = new_state
-        # Until an assign says how large the job is, as a node of a large one.
-        self._node_timeout, self._configured_interval = node_timeout, heartbeat_interval
-        self._interval = membership.beat_interval(heartbeat_interval, node_timeout, None)
-        self._liveness = node_timeout  # how long the coordinator may be silent (see Assign)
+        # As a job of up to --nnodes MAX (see membership.beat_interval).
+        self._node_timeout, max_nodes = node_timeout, new_state().max_nodes
+        self._interval = membership.beat_interval(heartbeat_interval, max_nodes)
+        self._liveness = membership.liveness_timeout(node_timeout, max_nodes)  # coordinator's
         self._woke_at = -1e9
         self.codec = Codec(secret)
         self.coordinator: Coordinator | None = None
@@ -108,14 +123,16 @@ class ControlPlane:
         # TCP keepalive alone says whether the coordinator's machine answers (on ours, a
         # heartbeat in flight would hold keepalive off). Not in a small job: 1 s keepalive
         # probes, unlike data, are not retransmitted fast, and lossy links would lose it.
+        self._down: set[int] = set()  # which of our two connections (0, 1) closed
         self.watch = context.socket(zmq.DEALER)
         self.watch.setsockopt(zmq.LINGER, 0)
         keep_alive(self.watch, node_timeout)
-        self._watching = False  # connected (see on_job_size)
+        self._watching, self._watch_endpoint = self._liveness > node_timeout, ""
+        if self._watching:
+            self._watch(self._endpoint)
         # The coordinator's process dying closes our connections: act on it at once.
         self.monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
                          for sock in (self.socket, self.watch)]
-        self._down: set[int] = set()  # which of our two connections (0, 1) closed
         self._rendezvous = self._endpoint if endpoint is not None else ""  # where agents meet
         self.last_heard = time.monotonic()
         self.next_heartbeat = time.monotonic() + self._interval
@@ -147,6 +164,7 @@ class ControlPlane:
             if takeover and self._rendezvous else None
         if self.coordinator is not None:  # ours at the endpoint, redirecting: newcomers ask it
             self._redirecting = self.coordinator
+        room_for_connections(state.max_nodes, self._liveness > self._node_timeout)
         self.coordinator = Coordinator(sock, self._secret, state, takeover, announce)
         self.coordinator.start()
 
@@ -176,26 +194,13 @@ class ControlPlane:
         if isinstance(received.body, (Assign, Spare)):
             self.members = received.body.members
             self.coordinator_node = received.body.coordinator_node
-        if isinstance(received.body, Assign):
-            self.on_job_size(received.body.group_world_size)
-        elif isinstance(received.body, Redirect):  # the job runs under a successor: go there
+            if self._watching and self._watch_endpoint != self._endpoint:
+                self._watch(self._endpoint)
+        if isinstance(received.body, Redirect):  # the job runs under a successor: go there
             self._reconnect(f"tcp://{received.body.addr}:{received.body.port}")
             self.coordinator_node = received.body.coordinator_node
             self.redirected = True
         return None if isinstance(received.body, HeartbeatAck) else received
-
-    def on_job_size(self, nodes: int) -> None:
-        """Heartbeat as a job of ``nodes`` does; a large one watches the coordinator's
-        machine through TCP keepalive (see the watch)."""
-        interval = membership.beat_interval(self._configured_interval, self._node_timeout, nodes)
-        if interval != self._interval:  # every agent was assigned at once: spread their beats
-            self._interval = interval
-            self.next_heartbeat = min(self.next_heartbeat,
-                                      time.monotonic() + random.uniform(0, interval))
-        self._liveness = membership.liveness_timeout(self._node_timeout, nodes)
-        if self._liveness > self._node_timeout and not self._watching:
-            self._watching = True
-            self.watch.connect(self._endpoint)
 
     @property
     def connection_lost(self) -> bool:
@@ -203,13 +208,23 @@ class ControlPlane:
         return bool(self._down)
 
     def _reconnect(self, endpoint: str) -> None:
-        socks = (self.socket, self.watch) if self._watching else (self.socket,)
-        for sock in socks:
-            sock.disconnect(self._endpoint)
+        """Follow the coordinator there; the watch follows once it has assigned us (all of
+        a large job's agents reconnect at once: their joins first)."""
+        self.socket.disconnect(self._endpoint)
         self._endpoint = endpoint
         self._down.clear()
-        for sock in socks:
-            sock.connect(self._endpoint)
+        self.socket.connect(self._endpoint)
+        if self._watching:
+            self._watch("")
+
+    def _watch(self, endpoint: str) -> None:
+        """The watch connection to ``endpoint`` ("": none for now)."""
+        if self._watch_endpoint:
+            self.watch.disconnect(self._watch_endpoint)
+        self._watch_endpoint = endpoint
+        self._down.discard(1)
+        if endpoint:
+            self.watch.connect(endpoint)
 
     def redirect_went_silent(self, now: float) -> bool:
         """Sent to a successor that never answered: gone too (a redirect can be stale)."""

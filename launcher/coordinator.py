@@ -651,7 +651,7 @@ class Coordinator:
 
     def _liveness(self) -> float:
         """Heartbeat silence that loses a node: a large job heartbeats less often."""
-        return membership.liveness_timeout(self._state.node_timeout, len(self._state.group_ranks))
+        return membership.liveness_timeout(self._state.node_timeout, self._state.max_nodes)
 
     def _maybe_complete_round(self, now: float) -> bool:
         s = self._state

@@ -66,21 +66,19 @@ per configured interval, each node heartbeats less often (see beat_interval)."""
 MAX_BEAT_INTERVAL = 30.0
 
 
-def beat_interval(configured: float, node_timeout: float, nodes: int | None) -> float:
-    """Seconds between a node's heartbeats in a running job of ``nodes``: the configured
-    interval, or longer once the coordinator would hear more than HEARTBEATS_PER_SECOND
-    (at most MAX_BEAT_INTERVAL). Not assigned yet (None): a third of the node timeout, as
-    in a large job (16,384 agents joining at 0.5 s would bury their joins under 32,768
-    heartbeats a second). A machine that goes silent is found by TCP within the node
-    timeout whatever this is (coordinator.keep_alive); heartbeats find a frozen agent
-    process, whose kernel still answers TCP, and carry its status."""
-    if nodes is None:
-        return max(configured, node_timeout / 3)
+def beat_interval(configured: float, nodes: int) -> float:
+    """Seconds between a node's heartbeats in a job of up to ``nodes`` (its MAX: what both
+    ends know from the start, and 16,384 agents joining must not bury their joins under
+    heartbeats): the configured interval, or longer once the coordinator would hear more
+    than HEARTBEATS_PER_SECOND (at most MAX_BEAT_INTERVAL). A machine that goes silent is
+    found by TCP within the node timeout whatever this is (coordinator.keep_alive);
+    heartbeats find a frozen agent process, whose kernel still answers TCP, and carry its
+    status."""
     return max(configured, min(MAX_BEAT_INTERVAL, nodes / HEARTBEATS_PER_SECOND))
 
 
 def liveness_timeout(node_timeout: float, nodes: int) -> float:
-    """Seconds without a heartbeat after which a node of a job of ``nodes`` is lost (and,
+    """Seconds without a heartbeat after which a node of a job of up to ``nodes`` is lost (and,
     to its agents, the coordinator): the node timeout, or three of a large job's slower
     beats (none is lost on the way: they go over TCP)."""
     return max(node_timeout, 3 * min(MAX_BEAT_INTERVAL, nodes / HEARTBEATS_PER_SECOND))

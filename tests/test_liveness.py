@@ -98,9 +98,9 @@ def _unsilence(rules: list[list[str]]) -> None:
         subprocess.run(["iptables", "-D", "INPUT", *rule])
 
 
-def _control_plane(ctx: zmq.Context, port: int) -> ControlPlane:
+def _control_plane(ctx: zmq.Context, port: int, max_nodes: int = 2) -> ControlPlane:
     def state() -> JobState:
-        return JobState(min_nodes=1, max_nodes=2, max_restarts=0, policy="cold", backoff=0.0,
+        return JobState(min_nodes=1, max_nodes=max_nodes, max_restarts=0, policy="cold", backoff=0.0,
                         backoff_max=0.0, exit_barrier_timeout=5.0, node_timeout=NODE_TIMEOUT,
                         last_call=1.0, join_timeout=10.0, host_node="")
     plane = ControlPlane(ctx, SECRET, "node-b:1", "127.0.0.1", ("127.0.0.1", port), state,
@@ -150,18 +150,26 @@ def test_an_agent_finds_its_coordinators_silent_machine_within_the_node_timeout_
     what finds the silence within the node timeout, whenever the agent last sent."""
     ctx = zmq.Context()
     router, port = bind_router(ctx, "127.0.0.1", 0, NODE_TIMEOUT)
-    plane = _control_plane(ctx, port)
 
     def connections() -> int:
         return len([c for c in psutil.Process().net_connections("tcp") if c.raddr
                     and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED])
-    plane.on_job_size(2)  # a small job: its heartbeats are enough
-    plane.socket.send(b"x")
+    small = _control_plane(ctx, port)  # a small job: its heartbeats are enough
+    small.socket.send(b"x")
     assert router.poll(5000)
     router.recv_multipart()
     time.sleep(0.2)
     assert connections() == 1, "a small job has no idle connection to lose on a lossy link"
-    plane.on_job_size(1 << 14)  # too large for heartbeats to find a silent machine in time
+    small.close()
+    end = time.monotonic() + 5
+    while connections():  # gone before the next one's are counted
+        assert time.monotonic() < end, "a closed connection stayed"
+        time.sleep(0.01)
+    # Too large for heartbeats to find a silent machine in time:
+    plane = _control_plane(ctx, port, max_nodes=1 << 14)
+    plane.socket.send(b"x")
+    assert router.poll(5000)
+    router.recv_multipart()
     end = time.monotonic() + 5
     while connections() < 2:
         assert time.monotonic() < end, "the watch did not connect"
