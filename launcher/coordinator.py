@@ -298,7 +298,7 @@ class Coordinator:
         """Handle the messages already queued, at most DRAIN_BATCH: under a stream faster
         than we keep up with, the round's completion and the liveness tick still run."""
         for _ in range(DRAIN_BATCH):
-            if not self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than zmq.Again
+            if not int(self._socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # cheaper than Again
                 return
             try:
                 parts = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
