@@ -300,6 +300,9 @@ class ControlPlane:
         if successor is None:
             return None
         entry = next(m for m in self.members if m.node_id == successor)
+        if successor == self.node_id and self.standby is None and self.coordinator is not None \
+                and self.coordinator.stood_down:  # we took over once, from inside a partition
+            self.standby, self.coordinator = self.coordinator.release(), None
         if successor == self.node_id and self.standby is not None:
             state = self.new_state_for_host()
             state.epoch, state.restart_count = epoch, restart_count

@@ -116,6 +116,7 @@ class JobState:
     first_finished_at: float | None = None
     final: tuple[int, str] | None = None  # (exit code, reason) once done
     redirect: Redirect | None = None  # the job runs under a successor: send agents there
+    redirect_epoch: int = -1  # the epoch it announced itself at
     commits: CommitLog = field(default_factory=lambda: CommitLog(0))  # of the current world
     copies: CommitLog = field(default_factory=lambda: CommitLog(0))  # steps copied to peers
     replicas: int = 0  # peers keeping a copy of each node's staged checkpoints
@@ -195,11 +196,22 @@ class Coordinator:
         self._thread.start()
 
     def close(self) -> None:
+        self.release().close()
+
+    @property
+    def stood_down(self) -> bool:
+        """A successor that found the job running at the endpoint (see
+        _answers_to_announcement): it only redirects, and its socket can serve again."""
+        return self._announcer is not None and self._state.redirect is not None
+
+    def release(self) -> zmq.Socket:
+        """Stop serving; the bound socket is the caller's (a standby that may host again)."""
         self._stopping.set()
         self._thread.join(timeout=5)
-        self._socket.close()
         if self._announcer is not None:
             self._announcer.close()
+            self._announcer = None
+        return self._socket
 
     def wait_handed_over(self, timeout: float) -> bool:
         """Until the job no longer needs this coordinator's host: it is over, or the host
@@ -351,16 +363,25 @@ class Coordinator:
             if s.group_ranks and s.redirect is None and msg.coordinator_node not in s.group_ranks:
                 # A node we lost took over from inside a partition: the job runs here.
                 self._send(identity, Redirect(coordinator_node=s.host_node, addr="", port=0))
-            elif not s.group_ranks and s.redirect != msg:
+            elif not s.group_ranks and s.redirect is not None \
+                    and received.epoch < s.redirect_epoch:
+                # Behind the job: a node that took over from inside a partition while the
+                # job went on under the successor we send agents to. It stands down.
+                self._send(identity, Redirect(coordinator_node=s.redirect.coordinator_node,
+                                              addr="", port=0))
+            elif not s.group_ranks:
                 # We never formed a round: the job went on under a successor while our node
                 # was gone (we are a re-created pod 0). Send our agents, and any that come,
-                # there; the latest successor to announce itself wins (the one before may
-                # be gone too; our own node may be it, hosting on its standby socket).
-                log.warning("the job runs under coordinator node %s at %s:%d: redirecting "
-                            "agents there", msg.coordinator_node, msg.addr, msg.port)
-                s.redirect = msg
-                for node_identity in s.identities.values():
-                    self._send(node_identity, msg)
+                # there; the latest successor to announce itself, of the newest epoch, wins
+                # (the one before may be gone too; our own node may be it, hosting on its
+                # standby socket).
+                s.redirect_epoch = received.epoch
+                if s.redirect != msg:
+                    log.warning("the job runs under coordinator node %s at %s:%d: redirecting "
+                                "agents there", msg.coordinator_node, msg.addr, msg.port)
+                    s.redirect = msg
+                    for node_identity in s.identities.values():
+                        self._send(node_identity, msg)
             return
         if s.redirect is not None:
             self._send(identity, s.redirect)

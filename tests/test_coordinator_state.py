@@ -453,3 +453,19 @@ def test_a_spare_joining_a_round_first_does_not_take_a_survivors_seat():
             node_id=node, addr="10.0.0.1", **join)), 2.2)
     coordinator._tick(2.3)
     assert sorted(state.group_ranks) == ["a", "b"], "the spare waits"
+
+
+def test_a_fresh_endpoint_coordinator_keeps_the_successor_of_the_newest_epoch():
+    """The endpoint's node itself was cut off and took over from inside the partition while
+    the job went on (rounds, epochs) under a successor: both announce themselves at the
+    endpoint. The one behind is told to stand down; the agents stay sent to the other."""
+    coordinator, socket = _fresh()
+    ahead = CONTROL["redirect"](coordinator_node="p1", addr="10.0.0.2", port=4000)
+    behind = CONTROL["redirect"](coordinator_node="p0", addr="10.0.0.1", port=4001)
+    coordinator._handle(b"p1-announcer", Envelope(7, ahead), 1.0)
+    coordinator._handle(b"p0-announcer", Envelope(4, behind), 1.1)
+    assert coordinator._state.redirect == ahead
+    assert socket.sent[-1] == (b"p0-announcer", Envelope(0, CONTROL["redirect"](
+        coordinator_node="p1", addr="", port=0)))
+    coordinator._handle(b"p1-announcer", Envelope(7, ahead), 1.2)
+    assert coordinator._state.redirect == ahead, "no flip-flop between the two"
