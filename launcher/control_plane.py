@@ -97,6 +97,7 @@ class ControlPlane:
         self._node_timeout, max_nodes = node_timeout, new_state().max_nodes
         self._interval = membership.beat_interval(heartbeat_interval, max_nodes)
         self._liveness = membership.liveness_timeout(node_timeout, max_nodes)  # coordinator's
+        self._watching = self._liveness > node_timeout  # see the watch below
         self._woke_at = -1e9
         self.codec = Codec(secret)
         self.coordinator: Coordinator | None = None
@@ -127,7 +128,7 @@ class ControlPlane:
         self.watch = context.socket(zmq.DEALER)
         self.watch.setsockopt(zmq.LINGER, 0)
         keep_alive(self.watch, node_timeout)
-        self._watching, self._watch_endpoint = self._liveness > node_timeout, ""
+        self._watch_endpoint = ""
         if self._watching:
             self._watch(self._endpoint)
         # The coordinator's process dying closes our connections: act on it at once.
@@ -164,7 +165,7 @@ class ControlPlane:
             if takeover and self._rendezvous else None
         if self.coordinator is not None:  # ours at the endpoint, redirecting: newcomers ask it
             self._redirecting = self.coordinator
-        room_for_connections(state.max_nodes, self._liveness > self._node_timeout)
+        room_for_connections(state.max_nodes, self._watching)
         self.coordinator = Coordinator(sock, self._secret, state, takeover, announce)
         self.coordinator.start()
 

@@ -127,13 +127,18 @@ class JobState:
     node_status: dict[str, tuple[str, RankStates]] = field(default_factory=dict)  # heartbeats
 
 
+def probe_interval(node_timeout: float) -> int:
+    """Seconds between TCP keepalive probes (the kernel counts whole seconds)."""
+    return max(1, int(node_timeout / 5))
+
+
 def keep_alive(sock: zmq.Socket, node_timeout: float) -> None:
     """A machine that goes silent (powered off, cut off, paused) has its connections closed
     by the kernel once nothing came back for ``node_timeout``, whatever the heartbeat rate:
     TCP keepalive probes an idle connection every second or so and TCP_USER_TIMEOUT
     (ZMQ_TCP_MAXRT) ends it; both ends get a disconnect event. The probes are the kernel's:
     no process wakes for them. A frozen process on a live machine still answers them."""
-    probe = max(1, int(node_timeout / 5))
+    probe = probe_interval(node_timeout)
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, probe)
     sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, probe)
@@ -695,7 +700,7 @@ class Coordinator:
             return  # not a member (a status query, a spare's old link), or on its way out
         quiet = now - s.last_seen.get(node, now)
         why = f"nothing from its machine for {s.node_timeout:g}s" \
-            if quiet >= s.node_timeout - max(1, int(s.node_timeout / 5)) \
+            if quiet >= s.node_timeout - probe_interval(s.node_timeout) \
             else "its agent's connection closed"
         self._lose(node, now, f"node {node} lost ({why})")
 

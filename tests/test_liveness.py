@@ -15,7 +15,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from launcher.control_plane import ControlPlane
-from launcher.coordinator import JobState, bind_router, keep_alive
+from launcher.coordinator import JobState, bind_router, keep_alive, probe_interval
 
 SECRET = b"liveness-test-secret-0123456789"
 NODE_TIMEOUT = 2.0
@@ -76,7 +76,7 @@ def test_a_silent_machines_connection_is_closed_after_the_node_timeout_on_both_e
         for m in monitors.values():
             m.close(linger=0)
         ctx.destroy(linger=0)
-    probe = max(1, int(NODE_TIMEOUT / 5))
+    probe = probe_interval(NODE_TIMEOUT)
     for name, events in got.items():
         assert events and events[-1][1] == zmq.EVENT_DISCONNECTED, f"{name}: no disconnect"
         # Nothing came back for the node timeout, counted from the last packet heard (a
@@ -192,7 +192,7 @@ def test_an_agent_finds_its_coordinators_silent_machine_within_the_node_timeout_
         plane.close()
         router.close(linger=0)
         ctx.destroy(linger=0)
-    probe = max(1, int(NODE_TIMEOUT / 5))
+    probe = probe_interval(NODE_TIMEOUT)
     assert lost_at is not None, "the coordinator's silent machine was not found"
     assert NODE_TIMEOUT - probe - 0.1 <= lost_at - silenced < NODE_TIMEOUT + 0.75, \
         "not counted from the last message's sending"
