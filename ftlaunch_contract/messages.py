@@ -110,6 +110,7 @@ class Join(Body):
     replica_port: int  # 0: keeps no replicas
     held: HeldShards  # checkpoint shards whole in this node's memory
     restart_count: int  # the job's, as this agent knows it: a fresh coordinator takes the max
+    seated_epoch: int  # the epoch of the round this node last held a seat in; -1: none yet
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -79,6 +79,7 @@ class Agent:
         self.deadline: float | None = None  # when the phase's wait ends
         self.epoch = 0
         self.assignment: messages.Assign | None = None
+        self.seated_epoch = -1  # a takeover coordinator tells survivors from spares by it
         self.start_order: messages.Start | None = None  # the one being carried out
         self.store: AgentStore | None = None
         self.spare_store: AgentStore | None = None  # next attempt's, already importing torch
@@ -230,6 +231,7 @@ class Agent:
             log.warning("ignored an assignment in phase %s", self.phase)
             return
         self.assignment, self.replicate_to = msg, msg.replicate_to
+        self.seated_epoch = self.epoch
         self.events.emit("assigned", f"round of epoch {self.epoch}: group rank "
                          f"{msg.group_rank} of {msg.group_world_size} nodes", console=False,
                          epoch=self.epoch, group_rank=msg.group_rank,
@@ -720,7 +722,8 @@ class Agent:
                                  addr=self.plan.addr, standby_port=self.control.standby_port or 0,
                                  rank_hint=self.plan.rank_hint, replica_port=self.replicas.port,
                                  held=self.replicas.inventory(),
-                                 restart_count=self.restart_count))
+                                 restart_count=self.restart_count,
+                                 seated_epoch=self.seated_epoch))
 
     def _done(self, exit_code: int) -> None:
         self.exit_code = exit_code

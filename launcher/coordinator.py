@@ -471,10 +471,11 @@ class Coordinator:
         self._seen(node, now)
         # A coordinator that started afresh (its node re-created) learns the job's restarts.
         s.restart_count = max(s.restart_count, msg.restart_count)
-        if s.phase == RoundPhase.JOINING and (node in s.round_joined or node in s.expected
-                                              or len(s.round_joined | s.expected) < s.max_nodes):
-            # The last round's nodes keep their seats: a spare that joins first (it noticed
-            # a lost coordinator before the successor did) takes only a free one.
+        if (s.phase == RoundPhase.JOINING and msg.seated_epoch == s.epoch
+                and s.expected_count > len(s.expected)):
+            s.expected.add(node)  # a survivor the assign did not name (a takeover of > 16 nodes)
+        if s.phase == RoundPhase.JOINING and membership.takes_seat(
+                node, s.round_joined, s.expected, s.expected_count, s.max_nodes):
             s.round_joined.add(node)
             if len(s.round_joined) >= s.min_nodes and s.min_reached_at is None:
                 s.min_reached_at = now

@@ -42,6 +42,19 @@ def assign_ranks(members: list[Member], previous: dict[str, int] | None = None) 
     return assignments
 
 
+def takes_seat(node: str, joined: set[str], expected: set[str], expected_count: int,
+               max_nodes: int) -> bool:
+    """Whether a node joining a forming round is seated in it now. The last round's nodes
+    keep their seats, those known by name (``expected``) and those only counted
+    (``expected_count``: a takeover's survivors that no assign named): a spare that joins
+    first, having noticed a lost coordinator before the survivors did, takes only a seat
+    none of them will fill. (A seat a survivor leaves empty goes to a spare at the close.)"""
+    if node in joined or node in expected:
+        return True
+    unnamed = max(0, expected_count - len(expected))
+    return len(joined | expected) + unnamed < max_nodes
+
+
 def round_complete(joined: set[str], expected: set[str], min_nodes: int, max_nodes: int,
                    min_reached_at: float | None, now: float, last_call: float,
                    expected_count: int = 0) -> str | None:

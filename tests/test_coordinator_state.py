@@ -57,7 +57,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def join(self, node, size, held=()):
         """``held``: the checkpoint shards the node says it has in memory."""
         self._deliver(node, "join", node_id=node, local_world_size=size, addr=f"10.0.0.{node[1]}",
-                      standby_port=4000, rank_hint=-1, replica_port=4100, held=tuple(held), restart_count=0)
+                      standby_port=4000, rank_hint=-1, replica_port=4100, held=tuple(held), restart_count=0,
+                      seated_epoch=-1)
         self.held[node] = set(held)
 
     @rule(node=st.sampled_from(NODES))
@@ -143,7 +144,7 @@ def _two_nodes_joined(held_by_node) -> tuple[Coordinator, CapturingSocket]:
     for i, (node, held) in enumerate(held_by_node.items()):
         coordinator._handle(node.encode(), Envelope(0, CONTROL["join"](
             node_id=node, local_world_size=1, addr=f"10.0.0.{i + 1}", standby_port=4000,
-            rank_hint=-1, replica_port=4100 + i, held=tuple(held), restart_count=0)), 1.0)
+            rank_hint=-1, replica_port=4100 + i, held=tuple(held), restart_count=0, seated_epoch=-1)), 1.0)
     coordinator._tick(1.1)
     return coordinator, socket
 
@@ -192,7 +193,7 @@ def test_a_node_lost_while_a_round_forms_gives_its_seat_to_a_waiting_spare():
     coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
     state = coordinator._state
     join = CONTROL["join"](node_id="spare", local_world_size=1, addr="10.0.0.3",
-                           standby_port=4000, rank_hint=-1, replica_port=4102, held=(), restart_count=0)
+                           standby_port=4000, rank_hint=-1, replica_port=4102, held=(), restart_count=0, seated_epoch=-1)
     coordinator._handle(b"spare", Envelope(0, join), 1.2)
     coordinator._handle(b"a", Envelope(1, CONTROL["store_ready"](master_addr="10.0.0.1",
                                                                  master_port=29500)), 1.3)
@@ -203,7 +204,7 @@ def test_a_node_lost_while_a_round_forms_gives_its_seat_to_a_waiting_spare():
     assert state.phase == "joining"
     coordinator._handle(b"a", Envelope(1, CONTROL["join"](
         node_id="a", local_world_size=1, addr="10.0.0.1", standby_port=4000, rank_hint=0,
-        replica_port=4100, held=(), restart_count=0)), 2.1)
+        replica_port=4100, held=(), restart_count=0, seated_epoch=-1)), 2.1)
     for now in (3.0, 5.0, 6.0, 7.5):  # b is silent; a and the spare are not
         state.last_seen.update(a=now, spare=now)
         coordinator._tick(now)
@@ -238,7 +239,7 @@ def test_a_pod_stopped_by_sigterm_leaves_and_its_replacement_takes_its_seat():
     for node, now in (("a", 3.1), ("b-replacement", 4.0)):
         coordinator._handle(node.encode(), Envelope(1, CONTROL["join"](
             node_id=node, local_world_size=1, addr="10.0.0.9", standby_port=4000,
-            rank_hint=-1, replica_port=4100, held=(), restart_count=0)), now)
+            rank_hint=-1, replica_port=4100, held=(), restart_count=0, seated_epoch=-1)), now)
     coordinator._tick(5.5)
     assert sorted(state.group_ranks) == ["a", "b-replacement"]
     assert state.phase == "waiting_store" and state.restart_count == 0, "not a failure"
@@ -264,7 +265,7 @@ def _fresh(host: str = "p0") -> tuple[Coordinator, CapturingSocket]:
 def _join(coordinator: Coordinator, node: str, epoch: int, now: float) -> None:
     coordinator._handle(node.encode(), Envelope(epoch, CONTROL["join"](
         node_id=node, local_world_size=1, addr="10.0.0.9", standby_port=4000, rank_hint=-1,
-        replica_port=4100, held=(), restart_count=0)), now)
+        replica_port=4100, held=(), restart_count=0, seated_epoch=-1)), now)
 
 
 def test_a_fresh_coordinator_continues_the_epochs_of_the_job_it_finds():
@@ -442,17 +443,43 @@ def test_a_spare_joining_a_round_first_does_not_take_a_survivors_seat():
     coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
     _running(coordinator)
     coordinator._recover_from("rank 0 (node b) exited with code 1", 2.0)  # a and b re-join
-    join = {"local_world_size": 1, "standby_port": 4000, "rank_hint": -1, "replica_port": 0,
-            "held": (), "restart_count": 1}
     state = coordinator._state
-    coordinator._handle(b"s", Envelope(state.epoch, CONTROL["join"](
-        node_id="spare", addr="10.0.0.9", **join)), 2.1)
+    _join_round(coordinator, "spare", seated_epoch=-1, now=2.1)
     assert "spare" not in state.round_joined, "both seats are the last round's"
     for node in ("b", "a"):
-        coordinator._handle(node.encode(), Envelope(state.epoch, CONTROL["join"](
-            node_id=node, addr="10.0.0.1", **join)), 2.2)
+        _join_round(coordinator, node, seated_epoch=state.epoch, now=2.2)
     coordinator._tick(2.3)
     assert sorted(state.group_ranks) == ["a", "b"], "the spare waits"
+
+
+def _join_round(coordinator: Coordinator, node: str, seated_epoch: int, now: float) -> None:
+    coordinator._handle(node.encode(), Envelope(coordinator._state.epoch, CONTROL["join"](
+        node_id=node, local_world_size=1, addr="10.0.0.9", standby_port=4000, rank_hint=-1,
+        replica_port=0, held=(), restart_count=1, seated_epoch=seated_epoch)), now)
+
+
+def test_a_takeovers_survivors_not_named_by_the_assign_keep_their_seats():
+    """A job of 20 nodes at its maximum loses the coordinator's node: the successor knows 15
+    survivors by name (an assign names 16) and counts 19. Of two spares that join first, one
+    takes the lost node's seat; the other must not take an unnamed survivor's, which says in
+    its join that it held a seat in the last round. The round closes at MAX, none dropped."""
+    nodes = [f"n{i:02}" for i in range(20)]
+    state = JobState(min_nodes=1, max_nodes=20, max_restarts=3, policy="job", backoff=0.0,
+                     backoff_max=1.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=1.0, join_timeout=60.0, host_node="n01", joining_since=1.0)
+    state.epoch = 3
+    state.expected_count = 19  # what ControlPlane.fail_over counts
+    for rank, node in enumerate(nodes[1:coordinator_module.SUCCESSORS], start=1):
+        state.group_ranks[node], state.standby_ports[node], state.last_seen[node] = rank, 4000, 1.0
+    coordinator = Coordinator(CapturingSocket(), SECRET, state, "coordinator node n00 lost")
+    for spare in ("s1", "s2"):
+        _join_round(coordinator, spare, seated_epoch=-1, now=1.1)
+    assert state.round_joined == {"s1"}, "one free seat: the lost node's"
+    for node in nodes[1:]:
+        _join_round(coordinator, node, seated_epoch=3, now=1.2)
+    coordinator._tick(1.3)
+    assert state.phase == "waiting_store", "MAX joined: the round closed"
+    assert sorted(state.group_ranks) == [*nodes[1:], "s1"], "s2 waits; no survivor dropped"
 
 
 def test_a_fresh_endpoint_coordinator_keeps_the_successor_of_the_newest_epoch():

@@ -379,7 +379,7 @@ def test_rank_command_does_not_alias_args():
 
 # --- rendezvous rounds, liveness, succession (pure) -------------------------------------
 
-from launcher.membership import round_complete, silent_members, successor  # noqa: E402
+from launcher.membership import round_complete, silent_members, successor, takes_seat  # noqa: E402
 
 
 @pytest.mark.parametrize("joined, expected, min_reached_at, now, why", [
@@ -394,6 +394,20 @@ from launcher.membership import round_complete, silent_members, successor  # noq
 def test_round_complete_says_why(joined, expected, min_reached_at, now, why):
     reason = round_complete(joined, expected, 2, 3, min_reached_at, now, 1.0)
     assert reason is None if why is None else why in reason
+
+
+@pytest.mark.parametrize("node, joined, expected, expected_count, max_nodes, seated", [
+    ("s", set(), {"a", "b"}, 2, 2, False),        # both seats are the survivors'
+    ("s", set(), {"a"}, 1, 2, True),              # the lost node's seat is free
+    ("s", set(), {"a"}, 2, 2, False),             # ... an unnamed survivor will fill it
+    ("u", set(), {"a", "u"}, 2, 2, True),         # that survivor (its join said so)
+    ("s", {"a", "u"}, {"a", "u"}, 2, 3, True),    # a seat none of them fills
+    ("a", {"a", "b", "c"}, {"a"}, 1, 3, True),    # a member's duplicate join
+])
+def test_a_joining_node_takes_only_a_seat_no_survivor_will_fill(node, joined, expected,
+                                                                expected_count, max_nodes,
+                                                                seated):
+    assert takes_seat(node, joined, expected, expected_count, max_nodes) is seated
 
 
 def test_silent_members_are_those_past_the_timeout():
