@@ -31,6 +31,7 @@ faults need root: each agent then runs in a network namespace of its own (script
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import random
@@ -293,11 +294,13 @@ class Options:
         # A network fault lasts seconds (~250 steps here), beyond the steps between faults.
         return (plan[-1].step if plan else 0) + 40 + 250 * sum(f.kind in NET_KINDS for f in plan)
 
-    def train_args(self, work: Path) -> list[str]:
+    def train_args(self, work: Path, step_time: float = 0.02) -> list[str]:
+        """``step_time``: paces the faulted run's steps (faults land between them); the
+        fault-free reference needs none: the weights do not depend on it."""
         return [str(TRAIN), "--shim", "--async-ckpt", *(["--fsdp"] if self.fsdp else []),
                 *(["--overlap-ckpt"] if self.overlap else []),
                 "--steps", str(self.steps()), "--ckpt-every", str(CKPT_EVERY),
-                "--step-time", "0.02", "--log-every", "1", "--exact-loss",
+                "--step-time", str(step_time), "--log-every", "1", "--exact-loss",
                 "--seed", "0", "--ckpt-dir", str(work / "ckpt"), "--out", str(work / "out.json")]
 
 
@@ -743,7 +746,8 @@ def reference(opts: Options) -> Reference:
     if key not in _references:
         work = Path(tempfile.mkdtemp(prefix="chaos-ref-"))
         cmd = [sys.executable, "-m", "launcher", "--standalone", "--nproc-per-node",
-               str(opts.world), "--log-dir", str(work / "logs"), *opts.train_args(work)]
+               str(opts.world), "--log-dir", str(work / "logs"),
+               *opts.train_args(work, step_time=0)]
         env = {**os.environ, "PYTHONPATH": str(REPO), "FTLAUNCH_LIVE": "0"}
         done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True,
                               timeout=600)
@@ -757,10 +761,13 @@ def reference(opts: Options) -> Reference:
 
 
 def one_run(opts: Options) -> tuple[Run, dict[str, str | None]]:
-    ref = reference(opts)
-    work = opts.work or Path(tempfile.mkdtemp(prefix=f"chaos-{opts.seed}-"))
-    run = run_job(opts, work)
-    return run, check(run, ref)
+    """The faulted run, with the fault-free one beside it when it is not known yet: the
+    faulted job mostly waits (paced steps, timeouts), which the reference fills."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        ref = pool.submit(reference, opts)
+        work = opts.work or Path(tempfile.mkdtemp(prefix=f"chaos-{opts.seed}-"))
+        run = run_job(opts, work)
+        return run, check(run, ref.result())
 
 
 def report(opts: Options, run: Run, verdict: dict[str, str | None]) -> None:
