@@ -29,7 +29,7 @@ from ftlaunch_contract.messages import (
 )
 from ftlaunch_contract.protocol import Codec, Envelope, ProtocolError
 from launcher import UsageError, membership
-from launcher.coordinator import Coordinator, JobState, bind_router, keep_alive
+from launcher.coordinator import Coordinator, JobState, bind_router, connection_monitor, keep_alive
 
 log = logging.getLogger("ftlaunch.control")
 
@@ -132,7 +132,7 @@ class ControlPlane:
         if self._watching:
             self._watch(self._endpoint)
         # The coordinator's process dying closes our connections: act on it at once.
-        self.monitors = [sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        self.monitors = [connection_monitor(sock, zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
                          for sock in (self.socket, self.watch)]
         self._rendezvous = self._endpoint if endpoint is not None else ""  # where agents meet
         self.last_heard = time.monotonic()

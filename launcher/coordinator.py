@@ -8,6 +8,7 @@ group rank starts a new one from the membership every agent holds (see docs/prot
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -132,6 +133,16 @@ def probe_interval(node_timeout: float) -> int:
     return max(1, int(node_timeout / 5))
 
 
+_monitors = itertools.count()
+
+
+def connection_monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A PAIR socket receiving ``sock``'s connection ``events``, on an endpoint of its own:
+    libzmq frees a stopped monitor's endpoint asynchronously, so a name reused at once
+    (pyzmq's default is the socket's) can still be taken."""
+    return sock.get_monitor_socket(events, addr=f"inproc://ftlaunch-monitor-{next(_monitors)}")
+
+
 def keep_alive(sock: zmq.Socket, node_timeout: float) -> None:
     """A machine that goes silent (powered off, cut off, paused) has its connections closed
     by the kernel once nothing came back for ``node_timeout``, whatever the heartbeat rate:
@@ -206,7 +217,10 @@ class Coordinator:
     @property
     def stood_down(self) -> bool:
         """A successor that found the job running at the endpoint (see
-        _answers_to_announcement): it only redirects, and its socket can serve again."""
+        _answers_to_announcement): it sent its agents there and serves no more. What comes
+        to its socket waits for the next coordinator on it: agents reach a node's standby
+        socket only following it as their successor, which it may become (the endpoint's
+        node lost), and their joins must not be sent back to the endpoint."""
         return self._announcer is not None and self._state.redirect is not None
 
     def release(self) -> zmq.Socket:
@@ -237,14 +251,14 @@ class Coordinator:
         # A peer's TCP connection closing is a monitor event naming its file descriptor, which
         # each message carries too: an agent process that died is acted on at once, not after
         # the node timeout (only a frozen or cut-off machine stays silent until then).
-        monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = connection_monitor(self._socket, zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         if self._announcer is not None:
             poller.register(self._announcer, zmq.POLLIN)
         next_tick = 0.0
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and not self.stood_down:
             ready = dict(poller.poll(int(TICK_SECONDS * 1000)))
             if ready:
                 if monitor in ready:  # first: a fd closed may be reused below

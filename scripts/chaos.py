@@ -383,7 +383,8 @@ class Job:
                            check=True, capture_output=True)
         self.cluster: netns.Cluster | None = None
         self.placed: dict[int, netns.Node] = {}  # agent pid -> the namespace it runs in
-        self.unseated: set[int] = set()  # agents a partition dropped from the job
+        self.unseated: dict[int, int] = {}  # agent pid -> its output's length when a
+        # partition dropped it from the job (a rank it starts after that seats it again)
         self.cuts: list[tuple[str, float]] = []  # (log dir, when): agents a partition cut off
         self.stranded: list[str] = []  # what a healed agent did wrong
         self.host = "127.0.0.1"  # where the rendezvous endpoint is
@@ -466,9 +467,10 @@ class Job:
     def seated(self) -> list[subprocess.Popen]:
         """The live agents that run ranks, in the order they joined (not the waiting spare)."""
         with self.out.cond:
-            running = {node for _, node, line in self.out.lines if START.search(line)}
+            started = {node: at for at, (_, node, line) in enumerate(self.out.lines)
+                       if START.search(line)}  # each node's latest rank start
         return [p for i, p in enumerate(self.agents)
-                if i in running and p.poll() is None and p.pid not in self.unseated]
+                if i in started and p.poll() is None and started[i] > self.unseated.get(p.pid, -1)]
 
     def coordinator(self) -> subprocess.Popen:
         """The agent hosting the coordinator now: the first, or the successor it handed to."""
@@ -561,7 +563,7 @@ def inject(job: Job, fault: Fault) -> Injected:
         host = job.coordinator()
         others = [p for p in job.seated() if p is not host]
         victim = others[target % len(others)]
-        job.unseated.add(victim.pid)
+        job.unseated[victim.pid] = len(job.out.lines)
         job.placed[victim.pid].partition()
         job.cuts.append((f"agent{job.agents.index(victim)}", at))
         return Injected(fault, at, job.node_id(victim), job.cuts[-1][0])

@@ -196,3 +196,83 @@ def test_an_agent_finds_its_coordinators_silent_machine_within_the_node_timeout_
     assert lost_at is not None, "the coordinator's silent machine was not found"
     assert NODE_TIMEOUT - probe - 0.1 <= lost_at - silenced < NODE_TIMEOUT + 0.75, \
         "not counted from the last message's sending"
+
+
+def _takeover_state(group_ranks: dict[str, int]) -> JobState:
+    state = JobState(min_nodes=1, max_nodes=2, max_restarts=3, policy="rank", backoff=0.0,
+                     backoff_max=0.0, exit_barrier_timeout=5.0, node_timeout=NODE_TIMEOUT,
+                     last_call=0.2, join_timeout=60.0, host_node="b",
+                     joining_since=time.monotonic())
+    state.group_ranks, state.expected_count = dict(group_ranks), len(group_ranks)
+    return state
+
+
+def test_a_node_that_stood_down_leaves_its_standby_socket_to_the_successor_it_may_become():
+    """b took over from inside a partition, and stood down once the endpoint answered that
+    the job still ran there. Later the endpoint's node is lost and b is the successor: a
+    spare that notices first joins b before b's agent has noticed. That join must wait on
+    b's standby socket for b's takeover, not be answered by the coordinator that stood down
+    (its redirect sent the spare back to the lost endpoint: a chaos run saw the job recover
+    twice more, once per spare)."""
+    from ftlaunch_contract.messages import CONTROL, Redirect
+    from ftlaunch_contract.protocol import Codec
+    from launcher.coordinator import Coordinator
+
+    ctx = zmq.Context()
+    codec = Codec(SECRET)
+    endpoint = ctx.socket(zmq.ROUTER)
+    endpoint_port = endpoint.bind_to_random_port("tcp://127.0.0.1")
+    standby, port = bind_router(ctx, "127.0.0.1", 0, NODE_TIMEOUT)
+    spare = ctx.socket(zmq.DEALER)
+    spare.setsockopt(zmq.LINGER, 0)
+    coordinators = []
+    try:
+        inside = Coordinator(standby, SECRET, _takeover_state({"b": 0}), "coordinator node a lost",
+                             (f"tcp://127.0.0.1:{endpoint_port}",
+                              Redirect(coordinator_node="b", addr="127.0.0.1", port=port)))
+        coordinators.append(inside)
+        inside.start()
+        assert endpoint.poll(5000), "the takeover announces itself at the endpoint"
+        identity = endpoint.recv_multipart()[0]  # the job runs here: stand down
+        endpoint.send_multipart([identity, *codec.encode(
+            Redirect(coordinator_node="a", addr="", port=0), 5)])
+        deadline = time.monotonic() + 5
+        while not inside.stood_down and time.monotonic() < deadline:
+            time.sleep(0.01)  # the coordinator's thread: no event to wait on
+        assert inside.stood_down
+        spare.connect(f"tcp://127.0.0.1:{port}")
+        spare.send_multipart(codec.encode(CONTROL["join"](
+            node_id="s", local_world_size=1, addr="127.0.0.1", standby_port=0, rank_hint=-1,
+            replica_port=0, held=(), restart_count=1, seated_epoch=-1), 5))
+        assert not spare.poll(500), "answered by a coordinator that stood down"
+        state = _takeover_state({"b": 0})  # a lost for good: b takes over for real
+        successor = Coordinator(inside.release(), SECRET, state, "coordinator node a lost")
+        coordinators.append(successor)
+        successor.start()
+        assert spare.poll(5000), "the successor does not serve on the given-back socket"
+        answer = codec.decode(spare.recv_multipart()).body
+        assert not isinstance(answer, Redirect), answer
+    finally:
+        for coordinator in coordinators:
+            coordinator.release()  # its thread is gone: the context's sockets can close
+        ctx.destroy(linger=0)
+
+
+def test_a_sockets_connection_monitor_can_be_started_again_at_once():
+    """libzmq tears a stopped monitor's endpoint down asynchronously: pyzmq's default one,
+    named after the socket, was refused as 'Address already in use' when the next monitor of
+    the same socket started at once (a coordinator that stood down, then hosted again on its
+    standby socket, died that way in a chaos run: the job failed with no successor)."""
+    from launcher.coordinator import connection_monitor
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind("tcp://127.0.0.1:*")
+    try:
+        for _ in range(200):
+            monitor = connection_monitor(sock, zmq.EVENT_DISCONNECTED)
+            sock.disable_monitor()
+            monitor.close(linger=0)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
