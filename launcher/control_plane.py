@@ -11,8 +11,9 @@ import resource
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -247,7 +248,7 @@ class ControlPlane:
                 except zmq.Again:
                     break
 
-    def on_connection_event(self, event: dict, which: int = 0) -> None:
+    def on_connection_event(self, event: Mapping[str, Any], which: int = 0) -> None:
         """The coordinator we follow went away, or is there (again); events of an endpoint
         we left are not about it."""
         if event["endpoint"].decode(errors="replace") != self._endpoint:
