@@ -596,7 +596,13 @@ class Agent:
             self.control.heartbeat_if_due(now, self.epoch, str(self.phase), self._rank_states(now))
         if self.phase in (Phase.STOPPING, Phase.LEAVING, Phase.DONE):
             return
-        if self.control.coordinator_lost(now):
+        if (failure := self.control.coordinator_failure) is not None:
+            self.events.emit("coordinator_failed", "ftlaunch bug: the coordinator this node "
+                             f"hosts stopped ({failure}); this node leaves the job, the others "
+                             "follow a successor. Please report it with this node's log.",
+                             failure=failure)
+            self._on_stop(exit_codes.JOB_FAILED, f"coordinator failed: {failure}")
+        elif self.control.coordinator_lost(now):
             self._follow_coordinator()
         elif self.phase == Phase.JOINING and self.control.redirect_went_silent(now):
             self.control.back_to_rendezvous()

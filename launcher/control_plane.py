@@ -153,6 +153,11 @@ class ControlPlane:
     def hosting(self) -> bool:
         return self.coordinator is not None
 
+    @property
+    def coordinator_failure(self) -> str | None:
+        """The coordinator we host died of a bug (see Coordinator.failure)."""
+        return self.coordinator.failure if self.coordinator is not None else None
+
     def new_state_for_host(self) -> JobState:
         state = self._new_state()
         state.host_node = self.node_id

@@ -192,6 +192,7 @@ class Coordinator:
         self._socket = sock
         self._stopping = threading.Event()
         self._handed_over = threading.Event()  # see wait_handed_over()
+        self._failure: str | None = None  # see failure
         self._thread = threading.Thread(target=self._serve, name="ftlaunch-coordinator",
                                         daemon=True)
         self._fds: dict[bytes, int] = {}  # a peer's connection (its file descriptor)
@@ -232,6 +233,14 @@ class Coordinator:
             self._announcer = None
         return self._socket
 
+    @property
+    def failure(self) -> str | None:
+        """Why the serving thread died (a bug), else None. Its agent leaves the job on it:
+        the others then find the coordinator's node lost and follow its successor, at once
+        (the agent's exit closes its connections), instead of waiting on a decider that
+        no longer answers."""
+        return self._failure
+
     def wait_handed_over(self, timeout: float) -> bool:
         """Until the job no longer needs this coordinator's host: it is over, or the host
         node is not one of its leaving nodes (the others are told to go on once their ranks
@@ -248,6 +257,13 @@ class Coordinator:
     # --- loop ----------------------------------------------------------------------------
 
     def _serve(self) -> None:
+        try:
+            self._serve_until_stopped()
+        except Exception as e:  # not a message's or a tick's (those are logged, served on)
+            log.critical("the coordinator stopped serving: %s", e, exc_info=True)
+            self._failure = f"{type(e).__name__}: {e}"
+
+    def _serve_until_stopped(self) -> None:
         # A peer's TCP connection closing is a monitor event naming its file descriptor, which
         # each message carries too: an agent process that died is acted on at once, not after
         # the node timeout (only a frozen or cut-off machine stays silent until then).
@@ -257,6 +273,13 @@ class Coordinator:
         poller.register(monitor, zmq.POLLIN)
         if self._announcer is not None:
             poller.register(self._announcer, zmq.POLLIN)
+        try:
+            self._serve_with(poller, monitor)
+        finally:  # a monitor left open would block the context's term()
+            self._socket.disable_monitor()
+            monitor.close(linger=0)
+
+    def _serve_with(self, poller: zmq.Poller, monitor: zmq.Socket) -> None:
         next_tick = 0.0
         while not self._stopping.is_set() and not self.stood_down:
             ready = dict(poller.poll(int(TICK_SECONDS * 1000)))
@@ -276,8 +299,6 @@ class Coordinator:
                     log.exception("coordinator tick failed")
                 self._announce()
             self._check_handed_over()
-        self._socket.disable_monitor()
-        monitor.close(linger=0)
 
     def _closed_connections(self, monitor: zmq.Socket) -> None:
         while True:

@@ -40,6 +40,7 @@ EVENTS: dict[str, frozenset[str]] = {kind: frozenset(fields.split()) for kind, f
     "recovering": "cause policy restart_count delay",
     "escalated": "ranks",
     "coordinator_lost": "lost successor",
+    "coordinator_failed": "failure",
     "restore_pulled": "pulled failed seconds",
     "recovered": "restart_count seconds policy phases resumed forked fresh",
     # checkpoints

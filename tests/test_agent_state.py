@@ -179,6 +179,7 @@ class FakeControl:
         self.coordinator_node, self.standby_port, self.next_heartbeat = "n0", 4000, 0.0
         self.connection_lost = False
         self.knows_successors = False
+        self.coordinator_failure: str | None = None
 
     def send(self, msg: Body, epoch: int) -> None:
         self.codec.encode(msg, epoch)  # a well-formed control message
@@ -560,6 +561,22 @@ def test_a_finished_node_that_loses_its_coordinator_ends_with_0():
     machine.agent.on_timers(machine.now)
     assert machine.agent.phase == Phase.DONE and machine.agent.exit_code == exit_codes.OK
     assert machine.control.lost, "no fail-over to a successor"
+
+
+def test_a_node_whose_coordinator_died_of_a_bug_leaves_the_job_loudly():
+    """The coordinator thread this node hosts died (a bug): the node stops its ranks and
+    exits 1, naming it, instead of running on without the job's decider until every other
+    node's timeout; its exit closes the connections, so the others fail over at once."""
+    machine = AgentMachine()
+    machine.maybe_running(running=True, restartable=False)
+    machine.control.coordinator_failure = "RuntimeError: boom"
+    machine.agent.on_timers(machine.now)
+    assert machine.agent.phase == Phase.STOPPING and "coordinator_failed" in machine.events.kinds
+    for rank in list(machine.workers.alive()):
+        rank.dead = -15
+        machine.agent.on_rank_exit(machine.workers.reap(rank))
+    assert machine.agent.phase == Phase.DONE
+    assert machine.agent.exit_code == exit_codes.JOB_FAILED
 
 
 def test_a_rank_that_dies_after_its_peer_reported_the_reset_is_reported_too():

@@ -276,3 +276,27 @@ def test_a_sockets_connection_monitor_can_be_started_again_at_once():
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def test_a_coordinator_whose_thread_dies_says_why(monkeypatch, caplog):
+    """A bug outside a message's or a tick's handling ends the coordinator's thread: it says
+    so, loudly and with the traceback, and ``failure`` names it for its agent to leave on."""
+    from launcher.coordinator import Coordinator
+
+    def broken(self) -> None:
+        raise RuntimeError("a bug in the loop")
+
+    monkeypatch.setattr(Coordinator, "_check_handed_over", broken)
+    ctx = zmq.Context()
+    sock, _ = bind_router(ctx, "127.0.0.1", 0, NODE_TIMEOUT)
+    coordinator = Coordinator(sock, SECRET, _takeover_state({"b": 0}))
+    try:
+        assert coordinator.failure is None
+        coordinator.start()
+        coordinator._thread.join(timeout=5)  # it ends on the bug, at its first turn
+        assert not coordinator._thread.is_alive()
+        assert coordinator.failure == "RuntimeError: a bug in the loop"
+        assert any(r.levelname == "CRITICAL" and r.exc_info for r in caplog.records)
+    finally:
+        coordinator.release().close(linger=0)
+        ctx.term()
