@@ -247,11 +247,8 @@ class ControlPlane:
     def on_monitor(self) -> None:
         """Connection events of our two connections, as they come."""
         for which, monitor in enumerate(self.monitors):
-            while True:
-                try:
-                    self.on_connection_event(recv_monitor_message(monitor, zmq.NOBLOCK), which)
-                except zmq.Again:
-                    break
+            while int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # cheaper than zmq.Again
+                self.on_connection_event(recv_monitor_message(monitor, zmq.NOBLOCK), which)
 
     def on_connection_event(self, event: Mapping[str, Any], which: int = 0) -> None:
         """The coordinator we follow went away, or is there (again); events of an endpoint

@@ -66,7 +66,7 @@ def round_complete(joined: set[str], expected: set[str], min_nodes: int, max_nod
         return f"{len(joined)} nodes joined: the maximum"
     if len(joined) < min_nodes:
         return None
-    if expected and expected <= joined and len(joined) >= expected_count:
+    if expected and len(joined) >= max(expected_count, len(expected)) and expected <= joined:
         return f"every node the round waited for is back ({len(joined)})"
     if min_reached_at is not None and now - min_reached_at >= last_call:
         return f"last call: {len(joined)} nodes, {last_call:g}s after the minimum ({min_nodes})"

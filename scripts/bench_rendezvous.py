@@ -108,7 +108,7 @@ class Agents:
         self.context = zmq.Context()
         self.context.set(zmq.MAX_SOCKETS, 8 * len(ids) + 64)
         self.n, self.interval = n, interval
-        self.planes, self.epoch, self.assign = {}, {}, {}
+        self.planes, self.epoch, self.assign, self.seated = {}, {}, {}, {}
         self.silent, self.closed = set(), set()
         self.next_scan = 0.0
         self.seen = {"assign": {}, "start": {}, "recover": {}, "failover": {}}
@@ -144,7 +144,7 @@ class Agents:
         p = self.planes[i]
         p.send(Join(node_id=p.node_id, local_world_size=LOCAL_WORLD, addr=p.addr,
                     rank_hint=-1, standby_port=p.standby_port or 0, replica_port=0, held=(),
-                    restart_count=0, seated_epoch=-1), self.epoch[i])
+                    restart_count=0, seated_epoch=self.seated.get(i, -1)), self.epoch[i])
         self.serve(i)  # a send may take the fd's signal of what arrived meanwhile
 
     def serve(self, i):
@@ -171,7 +171,7 @@ class Agents:
         self.epoch[i] = max(self.epoch[i], received.epoch)
         msg, p = received.body, self.planes[i]
         if isinstance(msg, Assign):
-            self.assign[i] = msg
+            self.assign[i], self.seated[i] = msg, received.epoch
             self.note("assign", received.epoch, i, now)
             if msg.group_rank == 0:  # it holds torch's store
                 p.send(StoreReady(master_addr="127.0.0.1", master_port=1), received.epoch)
@@ -403,6 +403,25 @@ def roomy_kernel():
                 f.write(value)
 
 
+@contextlib.contextmanager
+def own_core(pid, others):
+    """Process ``pid`` alone on the first CPU, ``others`` on the rest, as on a real node 0
+    (the simulated agents are other machines); the affinities restored after."""
+    cpus = sorted(os.sched_getaffinity(pid))
+    saved = {p: os.sched_getaffinity(p) for p in [pid, *others]}
+    try:
+        for p in saved:
+            for task in os.listdir(f"/proc/{p}/task"):  # every thread: ZeroMQ's too
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setaffinity(int(task), cpus[:1] if p == pid else cpus[1:])
+        yield
+    finally:
+        for p, mask in saved.items():
+            for task in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setaffinity(int(task), mask)
+
+
 def softirq_jiffies():
     with open("/proc/stat") as f:
         return int(f.readline().split()[7])  # cpu user nice system idle iowait irq softirq
@@ -436,6 +455,13 @@ def bench_ftlaunch(n, args):
         for key in cpu0:  # the coordinator: its thread and ZeroMQ's I/O thread
             out[f"cpu_{key}"] = (cpu1[key] - cpu0[key]) / (w1 - w0)
         out["coordinator_cpu_fraction"] = out["cpu_coordinator_thread"] + out["cpu_zmq_io"]
+        if len(os.sched_getaffinity(0)) > 1:  # again, the coordinator on a core of its own
+            with own_core(job.procs[0].pid, [p.pid for p in job.procs[1:]]):
+                cpu0, w0 = job.cpu(0), time.monotonic()
+                time.sleep(args.cpu_window)
+                cpu1, w1 = job.cpu(0), time.monotonic()
+            out["coordinator_cpu_own_core"] = sum(
+                cpu1[key] - cpu0[key] for key in ("coordinator_thread", "zmq_io")) / (w1 - w0)
         # A frozen agent process: the last agent stops heartbeating and reading; its kernel
         # still answers TCP. Found by heartbeats: three of a large job's beats.
         liveness = membership.liveness_timeout(args.node_timeout, n)
@@ -475,6 +501,8 @@ def bench_ftlaunch(n, args):
                                           which=survivors)[1] - killed_at
         out["failover_dead_ready_s"] = job.wait("start", epoch + 1, limit,
                                                 which=survivors)[1] - killed_at
+        out["failover_dead_noticed_s"] = job.wait("failover", epoch, limit,
+                                                  which=survivors)[1] - killed_at
         # The successor's machine goes silent (agent 1's process stopped; with iptables,
         # its port dropped too): agent 2 takes over.
         epoch = max(job.ask("epoch", which=survivors))
@@ -588,6 +616,7 @@ def bench_torch(n, limit, keep_alive):
 
 COLUMNS = [("formed_s", "formed s"), ("ready_s", "ready s"),
            ("coordinator_cpu_fraction", "coordinator CPU, heartbeating (core)"),
+           ("coordinator_cpu_own_core", "the same, on a core of its own"),
            ("heartbeats_per_s", "heartbeats/s"),
            ("machine_softirq_fraction", "machine softirq (core)"),
            ("machine_loss_s", "silent machine: silenced -> all recover s"),

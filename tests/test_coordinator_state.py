@@ -6,6 +6,7 @@ the one method the coordinator uses; the invariants below must hold after every 
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -336,6 +337,29 @@ def test_heartbeats_are_acked_a_few_times_per_node_timeout_not_each():
     assert all(to == b"b" for to, m in socket.sent[before:])
     assert len(acks) == 2 * ACKS_PER_TIMEOUT
     assert state.last_seen["b"] == t - 0.1, "every heartbeat still counts as a sign of life"
+
+
+@pytest.mark.parametrize("nodes", [2, 4096, 16384])
+def test_an_agent_hears_an_ack_well_within_its_liveness_timeout(nodes):
+    """Fewer acks must never make a live coordinator look lost to its agents: at the beat
+    interval of a job of ``nodes``, no gap between acks reaches the liveness timeout."""
+    from launcher.membership import beat_interval, liveness_timeout
+
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    _running(coordinator)
+    state = coordinator._state
+    state.max_nodes = nodes
+    beat, liveness = beat_interval(0.5, nodes), liveness_timeout(state.node_timeout, nodes)
+    t, acked = 10.0, []
+    while t < 10.0 + 4 * liveness:
+        before = len(socket.sent)
+        coordinator._handle(b"b", Envelope(0, CONTROL["heartbeat"](
+            node_id="b", phase="running", ranks=())), t)
+        acked += [t for _, m in socket.sent[before:] if m.body.TYPE == "heartbeat_ack"]
+        t += beat
+    gaps = [b - a for a, b in zip(acked, acked[1:], strict=False)]
+    assert len(acked) >= 4 and max(gaps) <= 0.7 * liveness, (beat, liveness, gaps)
+    assert len(acked) < (t - 10.0) / beat, "not every heartbeat is acked"
 
 
 def test_a_large_job_heartbeats_less_often_and_waits_three_of_its_beats():
