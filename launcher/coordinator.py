@@ -59,6 +59,7 @@ log = logging.getLogger("ftlaunch.coordinator")
 
 TICK_SECONDS = 0.05
 MAX_PACE = 0.02
+_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)  # see _send_frames
 
 
 def pace(max_nodes: int) -> float:
@@ -369,9 +370,11 @@ class Coordinator:
         Whether the queue was emptied."""
         for _ in range(DRAIN_BATCH):
             try:  # one zmq.Again a wake-up (a large job's serve several messages: see pace)
-                parts = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                parts = [self._socket.recv(_NOBLOCK, copy=False)]
             except zmq.Again:
                 return True
+            while parts[-1].more:  # a message's frames come together
+                parts.append(self._socket.recv(copy=False))
             try:
                 if len(parts) < 2:
                     raise ProtocolError("no identity frame")
@@ -388,13 +391,22 @@ class Coordinator:
         return False
 
     def _send(self, identity: bytes, msg: Body) -> None:
-        self._socket.send_multipart([identity, *self._codec.encode(msg, self._state.epoch)])
+        self._send_frames(identity, self._codec.encode(msg, self._state.epoch))
 
     def _send_to_all(self, identities: list[bytes], msg: Body) -> None:
         """One encoding for all: each receiver checks sequence numbers on its own."""
         frames = self._codec.encode(msg, self._state.epoch)
         for identity in identities:
-            self._socket.send_multipart([identity, *frames])
+            self._send_frames(identity, frames)
+
+    def _send_frames(self, identity: bytes, frames: list[bytes]) -> None:
+        """send_multipart's work with plain int flags: its enum arithmetic cost more than
+        the sending (a round's N assigns, a large job's acks)."""
+        send = self._socket.send
+        send(identity, _SNDMORE)
+        for frame in frames[:-1]:
+            send(frame, _SNDMORE)
+        send(frames[-1])
 
     def _broadcast(self, msg: Body) -> None:
         self._send_to_all(list(self._state.identities.values()), msg)
