@@ -7,6 +7,7 @@ the one method the coordinator uses; the invariants below must hold after every 
 from __future__ import annotations
 
 import pytest
+import zmq
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -27,10 +28,15 @@ class CapturingSocket:
     def __init__(self) -> None:
         self.codecs: dict[bytes, Codec] = {}
         self.sent: list[tuple[bytes, Envelope]] = []
+        self._frames: list[bytes] = []
 
-    def send_multipart(self, frames: list[bytes]) -> None:
-        codec = self.codecs.setdefault(frames[0], Codec(SECRET))
-        self.sent.append((frames[0], codec.decode(frames[1:])))
+    def send(self, frame: bytes, flags: int = 0) -> None:
+        """A ROUTER's: frames sent with SNDMORE make one message with the last."""
+        self._frames.append(frame)
+        if not flags & zmq.SNDMORE:
+            frames, self._frames = self._frames, []
+            codec = self.codecs.setdefault(frames[0], Codec(SECRET))
+            self.sent.append((frames[0], codec.decode(frames[1:])))
 
 
 class CoordinatorMachine(RuleBasedStateMachine):
