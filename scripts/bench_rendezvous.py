@@ -115,7 +115,7 @@ class Agents:
         self.last_beat, self.beats, self.joined = {}, 0, False  # no heartbeat before a join
         # One epoll over ZeroMQ's notification fds: zmq_poll over 6,000 sockets costs 7 ms a
         # call, and a process of 2,000 agents calling it every few ms starves the rest.
-        self.epoll, self.by_fd = select.epoll(), {}
+        self.epoll, self.by_fd, self.monitor_fds = select.epoll(), {}, set()
         for i in ids:
             p = ControlPlane(self.context, SECRET, node_id(i), addr, ("127.0.0.1", port),
                              lambda: job_state(n, node_timeout), node_timeout, interval)
@@ -124,6 +124,8 @@ class Agents:
                 fd = sock.getsockopt(zmq.FD)
                 self.epoll.register(fd, select.EPOLLIN)
                 self.by_fd[fd] = i
+                if sock is not p.socket:
+                    self.monitor_fds.add(fd)
         me, end = psutil.Process(), time.monotonic() + 120
         while True:  # every DEALER connected before the clock starts
             up = sum(1 for c in me.net_connections("tcp") if c.raddr and c.raddr.port == port
@@ -147,10 +149,12 @@ class Agents:
                     restart_count=0, seated_epoch=self.seated.get(i, -1)), self.epoch[i])
         self.serve(i)  # a send may take the fd's signal of what arrived meanwhile
 
-    def serve(self, i):
-        """Everything agent i's sockets hold now (ZeroMQ's fd only says that may be so)."""
+    def serve(self, i, monitors=False):
+        """Everything agent i's socket holds now (ZeroMQ's fd only says that may be so), and
+        its connection events when a monitor's fd said so (as the agent's loop reads them)."""
         p = self.planes[i]
-        p.on_monitor()
+        if monitors:
+            p.on_monitor()
         while p.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             received = p.receive()
             if received is not None:
@@ -163,6 +167,7 @@ class Agents:
             fd = sock.getsockopt(zmq.FD)
             if self.by_fd.pop(fd, None) is not None:
                 self.epoll.unregister(fd)
+            self.monitor_fds.discard(fd)
 
     def note(self, kind, epoch, i, now):
         self.seen[kind].setdefault(epoch, {}).setdefault(i, now)
@@ -184,9 +189,13 @@ class Agents:
             self.join(i)
 
     def step(self, timeout_ms=10):
-        for i in {self.by_fd[fd] for fd, _ in self.epoll.poll(timeout_ms / 1000)
-                  if fd in self.by_fd}:
-            self.serve(i)
+        ready = {}
+        for fd, _ in self.epoll.poll(timeout_ms / 1000):
+            if fd in self.by_fd:
+                i = self.by_fd[fd]
+                ready[i] = ready.get(i, False) or fd in self.monitor_fds
+        for i, monitors in ready.items():
+            self.serve(i, monitors)
         now = time.monotonic()
         if now < self.next_scan:  # 2,000 agents a process: not every few milliseconds
             return

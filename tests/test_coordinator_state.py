@@ -345,6 +345,18 @@ def test_heartbeats_are_acked_a_few_times_per_node_timeout_not_each():
     assert state.last_seen["b"] == t - 0.1, "every heartbeat still counts as a sign of life"
 
 
+def test_a_small_job_is_served_at_once_and_a_large_one_a_few_messages_a_wake_up():
+    """A small job's failure reports are not held back; a large job's heartbeats (up to
+    HEARTBEATS_PER_SECOND) are served about ten or more at a wake-up, never late by more
+    than MAX_PACE."""
+    from launcher.coordinator import MAX_PACE, pace
+    from launcher.membership import HEARTBEATS_PER_SECOND
+
+    assert pace(8) < 0.001
+    assert pace(1024) * HEARTBEATS_PER_SECOND >= 10
+    assert pace(16384) == MAX_PACE <= 0.02
+
+
 @pytest.mark.parametrize("nodes", [2, 4096, 16384])
 def test_an_agent_hears_an_ack_well_within_its_liveness_timeout(nodes):
     """Fewer acks must never make a live coordinator look lost to its agents: at the beat
