@@ -387,10 +387,13 @@ def can_silence():
 
 
 ROOMY_KERNEL = {"net/ipv4/ip_local_port_range": "10000\t65535", "net/core/somaxconn": "65535",
-                "net/ipv4/tcp_max_syn_backlog": "65535"}
+                "net/ipv4/tcp_max_syn_backlog": "65535", "net/core/netdev_max_backlog": "65536"}
 """One machine plays 16,384: each agent has two connections to the coordinator (see
 ControlPlane.watch), all from 127.0.0.1, more than the default 28,232 ephemeral ports; and
-all of them connect to a successor at once (somaxconn: the listen backlog's cap)."""
+all of them connect to a successor at once (somaxconn: the listen backlog's cap). Loopback
+packets wait in a CPU's backlog, 1,000 by default, which bursts of thousands of agents
+overflowed (/proc/net/softnet_stat counted 11,000 packets dropped over a few runs, each a
+TCP retry for its agent); a real machine has a NIC queue per core instead."""
 
 
 @contextlib.contextmanager
