@@ -58,18 +58,8 @@ from launcher.commits import CommitLog
 log = logging.getLogger("ftlaunch.coordinator")
 
 TICK_SECONDS = 0.05
-MAX_PACE = 0.02
+MAX_PACE = 0.02  # see pace()
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)  # see _send_frames
-
-
-def pace(max_nodes: int) -> float:
-    """Seconds between the coordinator's wake-ups for its socket, at least: a large job's
-    stream of heartbeats (up to membership.HEARTBEATS_PER_SECOND) is served ten or twenty at
-    a wake-up instead of one by one, which costs several times as much CPU per message (each
-    wake-up runs on cold caches, and wakes ZeroMQ's I/O thread too). 10 µs a node, 20 ms at
-    most: a message after a quiet spell is served at once, one in a stream waits at most
-    this long, and a small job's (8 nodes: 80 µs) is not held back."""
-    return min(MAX_PACE, max_nodes * 1e-5)
 PEER_ERROR_GRACE = 0.5  # seconds a peer error waits for the failure that caused it
 ACKS_PER_TIMEOUT = 2
 """A node's heartbeats are acked at most this often per liveness timeout (it heartbeats more
@@ -80,6 +70,16 @@ DRAIN_BATCH = 1024
 SUCCESSORS = 16
 """An assign lists only the first group ranks: the nodes that may take over the coordinator.
 Enough for 15 coordinator losses in a row, and keeps each assign O(1) in the job's size."""
+
+
+def pace(max_nodes: int) -> float:
+    """Seconds between the coordinator's wake-ups for its socket, at least: a large job's
+    stream of heartbeats (up to membership.HEARTBEATS_PER_SECOND) is served ten or twenty at
+    a wake-up instead of one by one, which costs several times as much CPU per message (each
+    wake-up runs on cold caches, and wakes ZeroMQ's I/O thread too). 10 µs a node, 20 ms at
+    most: a message after a quiet spell is served at once, one in a stream waits at most
+    this long, and a small job's (8 nodes: 80 µs) is not held back."""
+    return min(MAX_PACE, max_nodes * 1e-5)
 
 
 class RoundPhase(StrEnum):
