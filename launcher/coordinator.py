@@ -61,11 +61,15 @@ TICK_SECONDS = 0.05
 MAX_PACE = 0.02  # see pace()
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)  # see _send_frames
 PEER_ERROR_GRACE = 0.5  # seconds a peer error waits for the failure that caused it
-ACKS_PER_TIMEOUT = 2
-"""A node's heartbeats are acked at most this often per liveness timeout (it heartbeats more
-often: one ack per heartbeat would double the coordinator's work for nothing). Two: the
-gap between acks is then at most half the timeout plus one beat (a large job's beats are a
-third of it apart: every other beat is acked), so an agent always hears one in time."""
+ACK_WITHIN = 0.5
+LARGE_ACK_WITHIN = 0.75
+"""An agent takes the coordinator for lost after the liveness timeout without a word from it,
+yet an ack per heartbeat would double a large job's load on the coordinator for nothing. A
+heartbeat is acked when the node's next one (as far off as its last) would come more than
+ACK_WITHIN of the timeout after the last ack: at 0.5 s beats in a 5 s timeout, every fifth,
+and whatever the rate, the agent hears one within half the timeout. A large job's beats are
+a third of its timeout apart: within LARGE_ACK_WITHIN every other one is acked (two thirds of
+the timeout, a third to spare)."""
 DRAIN_BATCH = 1024
 SUCCESSORS = 16
 """An assign lists only the first group ranks: the nodes that may take over the coordinator.
@@ -210,7 +214,7 @@ class Coordinator:
         self._thread = threading.Thread(target=self._serve, name="ftlaunch-coordinator",
                                         daemon=True)
         self._fds: dict[bytes, int] = {}  # a peer's connection (its file descriptor)
-        self._acked: dict[bytes, float] = {}  # when each connection's heartbeat was last acked
+        self._beats: dict[bytes, tuple[float, float]] = {}  # a connection's last ack and beat
         self._announcer: zmq.Socket | None = None
         self._announcement = announce[1] if announce else None
         self._rendezvous = announce[0] if announce else ""
@@ -327,7 +331,7 @@ class Coordinator:
             identity = next((i for i, fd in self._fds.items() if fd == event["value"]), None)
             if identity is not None:
                 del self._fds[identity]
-                self._acked.pop(identity, None)
+                self._beats.pop(identity, None)
                 self._disconnected(identity, time.monotonic())
     def _announce(self) -> None:
         if self._announcer is not None and self._announcement is not None \
@@ -466,11 +470,11 @@ class Coordinator:
                 self._seen(node, now)
                 s.node_status[node] = (msg.phase, msg.ranks)
                 s.identities[node] = identity
-                # An agent takes the coordinator for lost after the liveness timeout without
-                # a word from it: a few acks within that are enough, not one per heartbeat.
-                if now - self._acked.get(identity, -1e9) >= self._liveness() / ACKS_PER_TIMEOUT:
-                    self._acked[identity] = now
+                acked, beat = self._beats.get(identity, (-1e9, now))
+                if 2 * now - acked - beat > self._ack_within():
+                    acked = now
                     self._send(identity, HeartbeatAck())
+                self._beats[identity] = (acked, now)
             else:  # declared lost but alive (it froze, or the network healed): come back in
                 self._send(identity, Recover(
                     policy=s.current_policy or s.policy, restart_count=s.restart_count,
@@ -739,6 +743,12 @@ class Coordinator:
                 and now - s.first_finished_at > s.exit_barrier_timeout):
             missing = sorted(set(s.group_ranks) - s.finished)
             self._finish(exit_codes.JOB_FAILED, f"exit barrier timed out waiting for {missing}")
+
+    def _ack_within(self) -> float:
+        """Seconds within which an agent hears an ack (see ACK_WITHIN)."""
+        liveness = self._liveness()
+        return liveness * (LARGE_ACK_WITHIN if liveness > self._state.node_timeout
+                           else ACK_WITHIN)
 
     def _liveness(self) -> float:
         """Heartbeat silence that loses a node: a large job heartbeats less often."""

@@ -67,7 +67,7 @@ BENCHES = (
           ("scripts/bench_rendezvous.py", "--sizes", "256", "--torch-max", "0")),
     Bench("coordinator", "the coordinator alone on a core: CPU under a large job's heartbeats, "
           "a takeover's joins and assigns",
-          ("scripts/bench_coordinator.py", "--nodes", "1024,4096,8192"),
+          ("scripts/bench_coordinator.py", "--nodes", "1024,4096,8192,16384"),
           ("scripts/bench_coordinator.py", "--nodes", "1024", "--window", "5")),
     Bench("goodput", "productive step time / wall under a kill -9 every 60 s and 30 s: "
           "ftlaunch vs torchrun vs NVRx ft_launcher",

@@ -3,7 +3,8 @@ heartbeats, and a takeover's cost when every survivor connects and joins at once
 
 bench_rendezvous.py runs the whole job, so its simulated agents share the coordinator's
 cores; here the coordinator's process (its thread and ZeroMQ's I/O thread) has the first
-CPU to itself and the agents, plain DEALERs with no agent loop, send from the others.
+CPU to itself and the agents, plain DEALERs with no agent loop (up to 6,000 a process), send
+from the others.
 
     heartbeats  N agents of a running job beat at the job's rate (membership.beat_interval:
                 at most HEARTBEATS_PER_SECOND): the coordinator's CPU (thread + I/O thread)
@@ -12,7 +13,7 @@ CPU to itself and the agents, plain DEALERs with no agent loop, send from the ot
                 N-1 survivors connect and join: last join sent, round closed, every assign
                 received.
 
-    python scripts/bench_coordinator.py --nodes 1024,4096,8192
+    python scripts/bench_coordinator.py --nodes 1024,4096,8192,16384
 """
 
 import argparse
@@ -77,73 +78,110 @@ def host(n, takeover, conn, cpu):
     conn.recv()  # the agents are ready
     coordinator = Coordinator(sock, SECRET, s, "coordinator node lost" if takeover else None)
     coordinator.start()
-    conn.send((port, coordinator._thread.native_id, time.monotonic()))
+    conn.send((port, coordinator._thread.native_id))
     conn.recv()  # done
     conn.send(s.epoch)
 
 
-def dealers(context, port, count):
-    socks = []
-    for _ in range(count):
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://127.0.0.1:{port}")
-        socks.append(sock)
-    return socks
+AGENTS_PER_PROCESS = 6000  # each DEALER takes two files: a process may open 20,000 here
 
 
-def bench(n, takeover, window, cpus):
-    """``cpus``: the first for the coordinator, the others for the agents (this process)."""
-    here, there = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=host, args=(n, takeover, there, cpus[0]),
-                                           daemon=True)
-    proc.start()
-    os.sched_setaffinity(0, cpus[1:])
+def dealer(context, port):
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def swarm(ids, n, port, takeover, window, conn, cpus):
+    """Agents ``ids`` of a job of ``n`` in one process on ``cpus``: they beat at their share
+    of the job's rate for ``window`` seconds, or join a takeover and wait for their assigns."""
+    os.sched_setaffinity(0, cpus)
     context = zmq.Context()
-    context.set(zmq.MAX_SOCKETS, n + 64)
-    codecs = [Codec(SECRET) for _ in range(n)]
-    here.send("ready")
-    port, thread_id, started = here.recv()
-    out = {"nodes": n}
+    context.set(zmq.MAX_SOCKETS, len(ids) + 64)
+    codecs = {i: Codec(SECRET) for i in ids}
+    socks = {} if takeover else {i: dealer(context, port) for i in ids}
+    conn.send("ready")
+    t0 = conn.recv()  # one start for every process (CLOCK_MONOTONIC is the machine's)
     if takeover:
-        socks, t0 = [], time.monotonic()
-        for i in range(1, n):
-            socks += dealers(context, port, 1)
-            socks[-1].send_multipart(codecs[i].encode(Join(
+        for i in ids:
+            socks[i] = dealer(context, port)
+            socks[i].send_multipart(codecs[i].encode(Join(
                 node_id=node(i), local_world_size=8, addr="127.0.0.1", rank_hint=-1,
                 standby_port=1, replica_port=0, held=(), restart_count=0, seated_epoch=5), 5))
-        out["joins_sent_s"] = time.monotonic() - t0
-        poller, assigned, index = zmq.Poller(), {}, {sock: i + 1 for i, sock in enumerate(socks)}
-        for sock in socks:
+        sent_at, assigned = time.monotonic(), {}
+        poller, index = zmq.Poller(), {sock: i for i, sock in socks.items()}
+        for sock in socks.values():
             poller.register(sock, zmq.POLLIN)
-        end = t0 + 120
-        while len(assigned) < n - 1 and time.monotonic() < end:
+        while len(assigned) < len(ids) and time.monotonic() < t0 + 120:
             for sock, _ in poller.poll(100):
-                i = index[sock]
                 while sock.poll(0):
+                    i = index[sock]
                     if isinstance(codecs[i].decode(sock.recv_multipart()).body, Assign):
                         assigned.setdefault(i, time.monotonic())
-        out["assigned"] = len(assigned)
-        out["first_assign_s"] = min(assigned.values()) - t0
-        out["all_assigned_s"] = max(assigned.values()) - t0
+        conn.send((sent_at, min(assigned.values()), max(assigned.values()), len(assigned)))
     else:
-        socks = dealers(context, port, n)
-        time.sleep(2.0)  # connected
-        beat = membership.beat_interval(0.5, n) / n  # the job's rate, evenly spread
-        cpu0, t0, sent = cpu_seconds(proc.pid, thread_id), time.monotonic(), 0
+        beat, sent = membership.beat_interval(0.5, n) / len(ids), 0  # evenly spread
+        order = list(ids)
         while (now := time.monotonic()) < t0 + window:
             if now < t0 + sent * beat:
                 time.sleep(t0 + sent * beat - now)
-            i = sent % n
+            i = order[sent % len(order)]
             socks[i].send_multipart(codecs[i].encode(Heartbeat(node_id=node(i), phase="running",
                                                                ranks=()), 0))
             sent += 1
             if sent % 256 == 0:  # the acks
-                for sock in socks:
+                for sock in socks.values():
                     while sock.poll(0):
                         sock.recv_multipart()
-        cpu1, wall = cpu_seconds(proc.pid, thread_id), time.monotonic() - t0
-        out["heartbeats_per_s"] = sent / wall
+        conn.send(sent)
+    for sock in socks.values():
+        sock.close(0)
+    context.term()
+
+
+def answer(conn, timeout=300):
+    """A worker's next word; a worker that died says nothing (its traceback is above)."""
+    if not conn.poll(timeout):
+        raise SystemExit(f"a process of the benchmark gave no answer in {timeout} s")
+    return conn.recv()
+
+
+def bench(n, takeover, window, cpus):
+    """``cpus``: the first for the coordinator, the others for the agents."""
+    spawn = mp.get_context("spawn")
+    here, there = mp.Pipe()
+    proc = spawn.Process(target=host, args=(n, takeover, there, cpus[0]), daemon=True)
+    proc.start()
+    here.send("ready")
+    port, thread_id = answer(here)
+    ids = list(range(1, n) if takeover else range(n))
+    procs = -(-len(ids) // AGENTS_PER_PROCESS)
+    swarms = []
+    for k in range(procs):
+        mine, theirs = mp.Pipe()
+        worker = spawn.Process(target=swarm, daemon=True, args=(
+            ids[k::procs], n, port, takeover, window, theirs, cpus[1:]))
+        worker.start()
+        swarms.append((worker, mine))
+    for _, conn in swarms:
+        answer(conn)
+    if not takeover:
+        time.sleep(2.0)  # connected
+    t0 = time.monotonic()
+    cpu0 = cpu_seconds(proc.pid, thread_id)
+    for _, conn in swarms:
+        conn.send(t0)
+    reports = [answer(conn) for _, conn in swarms]
+    cpu1, wall = cpu_seconds(proc.pid, thread_id), time.monotonic() - t0
+    out = {"nodes": n}
+    if takeover:
+        out["joins_sent_s"] = max(r[0] for r in reports) - t0
+        out["first_assign_s"] = min(r[1] for r in reports) - t0
+        out["all_assigned_s"] = max(r[2] for r in reports) - t0
+        out["assigned"] = sum(r[3] for r in reports)
+    else:
+        out["heartbeats_per_s"] = sum(reports) / wall
         out["coordinator_thread"] = (cpu1[0] - cpu0[0]) / wall
         out["zmq_io"] = (cpu1[1] - cpu0[1]) / wall
         out["cpu"] = out["coordinator_thread"] + out["zmq_io"]
@@ -151,24 +189,22 @@ def bench(n, takeover, window, cpus):
     here.send("done")
     here.recv()
     proc.kill()
-    for sock in socks:
-        sock.close(0)
-    context.term()
+    for worker, _ in swarms:
+        worker.join(10)
     return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nodes", default="1024,4096,8192")
+    p.add_argument("--nodes", default="1024,4096,8192,16384")
     p.add_argument("--window", type=float, default=10.0, help="seconds of heartbeats")
     args = p.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         raise SystemExit("needs 2 CPUs: one for the coordinator, the rest for the agents")
     sizes = [int(n) for n in args.nodes.split(",")]
-    want = 2 * max(sizes) + 1024
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # the coordinator's connections,
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # two files a DEALER
     print("| nodes | heartbeats/s | coordinator CPU (thread + I/O) | µs a heartbeat | "
           "takeover: joins sent s | round's assigns: first s | all s |")
     print("|---|---|---|---|---|---|---|")

@@ -329,8 +329,6 @@ def test_a_members_closed_connection_is_a_lost_node_at_once():
 def test_heartbeats_are_acked_a_few_times_per_node_timeout_not_each():
     """An agent needs a word from the coordinator within its node timeout, not an ack per
     heartbeat: a large job's heartbeats would cost the coordinator twice as much."""
-    from launcher.coordinator import ACKS_PER_TIMEOUT
-
     coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
     _running(coordinator)
     state, t = coordinator._state, 10.0
@@ -341,7 +339,7 @@ def test_heartbeats_are_acked_a_few_times_per_node_timeout_not_each():
         t += 0.1
     acks = [m for to, m in socket.sent[before:] if m.body.TYPE == "heartbeat_ack"]
     assert all(to == b"b" for to, m in socket.sent[before:])
-    assert len(acks) == 2 * ACKS_PER_TIMEOUT
+    assert 4 <= len(acks) <= 5  # each within half the node timeout of the last: 2.4-2.5 s
     assert state.last_seen["b"] == t - 0.1, "every heartbeat still counts as a sign of life"
 
 
@@ -357,17 +355,20 @@ def test_a_small_job_is_served_at_once_and_a_large_one_a_few_messages_a_wake_up(
     assert pace(16384) == MAX_PACE <= 0.02
 
 
-@pytest.mark.parametrize("nodes", [2, 4096, 16384])
-def test_an_agent_hears_an_ack_well_within_its_liveness_timeout(nodes):
+@pytest.mark.parametrize(("nodes", "interval", "every_beat"), [
+    (2, 0.5, False), (2, 2.4, True), (2048, 2.9, True), (4096, 0.5, False), (16384, 0.5, False)])
+def test_an_agent_hears_an_ack_well_within_its_liveness_timeout(nodes, interval, every_beat):
     """Fewer acks must never make a live coordinator look lost to its agents: at the beat
-    interval of a job of ``nodes``, no gap between acks reaches the liveness timeout."""
+    of a job of ``nodes`` with ``--heartbeat-interval`` ``interval``, no gap between acks
+    reaches the liveness timeout. Beats just under half the timeout apart are each acked
+    (acking every other left 4.8 s of a 5 s timeout without a word)."""
     from launcher.membership import beat_interval, liveness_timeout
 
     coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
     _running(coordinator)
     state = coordinator._state
     state.max_nodes = nodes
-    beat, liveness = beat_interval(0.5, nodes), liveness_timeout(state.node_timeout, nodes)
+    beat, liveness = beat_interval(interval, nodes), liveness_timeout(state.node_timeout, nodes)
     t, acked = 10.0, []
     while t < 10.0 + 4 * liveness:
         before = len(socket.sent)
@@ -377,7 +378,7 @@ def test_an_agent_hears_an_ack_well_within_its_liveness_timeout(nodes):
         t += beat
     gaps = [b - a for a, b in zip(acked, acked[1:], strict=False)]
     assert len(acked) >= 4 and max(gaps) <= 0.7 * liveness, (beat, liveness, gaps)
-    assert len(acked) < (t - 10.0) / beat, "not every heartbeat is acked"
+    assert (len(acked) >= round((t - 10.0) / beat)) == every_beat, (len(acked), beat, gaps)
 
 
 def test_a_large_job_heartbeats_less_often_and_waits_three_of_its_beats():
