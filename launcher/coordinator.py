@@ -471,7 +471,8 @@ class Coordinator:
                 s.node_status[node] = (msg.phase, msg.ranks)
                 s.identities[node] = identity
                 acked, beat = self._beats.get(identity, (-1e9, now))
-                if 2 * now - acked - beat > self._ack_within():
+                next_beat = now + (now - beat)  # as far off as this one
+                if next_beat - acked > self._ack_within():
                     acked = now
                     self._send(identity, HeartbeatAck())
                 self._beats[identity] = (acked, now)
