@@ -24,7 +24,7 @@ import resource
 import time
 
 import zmq
-from bench_rendezvous import roomy_kernel
+from bench_rendezvous import coordinator_cpu, roomy_kernel
 
 from ftlaunch_contract.messages import Assign, Heartbeat, Join
 from ftlaunch_contract.protocol import Codec
@@ -43,22 +43,6 @@ def state(n):
     return JobState(min_nodes=1, max_nodes=n, max_restarts=100, policy="cold", backoff=0.0,
                     backoff_max=0.0, exit_barrier_timeout=30.0, node_timeout=NODE_TIMEOUT,
                     last_call=30.0, join_timeout=600.0, host_node=node(0))
-
-
-def cpu_seconds(pid, thread_id):
-    """(the coordinator thread's, ZeroMQ's I/O threads') CPU seconds."""
-    tick, mine, io = os.sysconf("SC_CLK_TCK"), 0.0, 0.0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        with open(f"/proc/{pid}/task/{task}/comm") as f:
-            name = f.read().strip()
-        used = (int(fields[11]) + int(fields[12])) / tick
-        if int(task) == thread_id:
-            mine += used
-        elif name.startswith("ZMQbg/IO"):
-            io += used
-    return mine, io
 
 
 def host(n, takeover, conn, cpu):
@@ -172,11 +156,11 @@ def bench(n, takeover, window, cpus):
     if not takeover:
         time.sleep(2.0)  # connected
     t0 = time.monotonic()
-    cpu0 = cpu_seconds(proc.pid, thread_id)
+    cpu0 = coordinator_cpu(proc.pid, thread_id)
     for _, conn in swarms:
         conn.send(t0)
     reports = [answer(conn) for _, conn in swarms]
-    cpu1, wall = cpu_seconds(proc.pid, thread_id), time.monotonic() - t0
+    cpu1, wall = coordinator_cpu(proc.pid, thread_id), time.monotonic() - t0
     out = {"nodes": n}
     if takeover:
         out["joins_sent_s"] = max(r[0] for r in reports) - t0
@@ -185,8 +169,8 @@ def bench(n, takeover, window, cpus):
         out["assigned"] = sum(r[3] for r in reports)
     else:
         out["heartbeats_per_s"] = sum(reports) / wall
-        out["coordinator_thread"] = (cpu1[0] - cpu0[0]) / wall
-        out["zmq_io"] = (cpu1[1] - cpu0[1]) / wall
+        for key in ("coordinator_thread", "zmq_io"):
+            out[key] = (cpu1[key] - cpu0[key]) / wall
         out["cpu"] = out["coordinator_thread"] + out["zmq_io"]
         out["cpu_us_per_heartbeat"] = 1e6 * out["cpu"] / out["heartbeats_per_s"]
     here.send("done")

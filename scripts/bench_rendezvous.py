@@ -97,6 +97,25 @@ def cpu_seconds():
     return r.ru_utime + r.ru_stime
 
 
+def coordinator_cpu(pid, thread_id):
+    """CPU seconds of process ``pid``: all of it, its coordinator thread (``thread_id``),
+    ZeroMQ's I/O threads."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"process": 0.0, "coordinator_thread": 0.0, "zmq_io": 0.0}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        with open(f"/proc/{pid}/task/{task}/comm") as f:
+            name = f.read().strip()
+        used = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        out["process"] += used
+        if int(task) == thread_id:
+            out["coordinator_thread"] += used
+        elif name.startswith("ZMQbg/IO"):
+            out["zmq_io"] += used
+    return out
+
+
 # --- the simulated agents ------------------------------------------------------------------
 
 
@@ -338,21 +357,7 @@ class Job:
 
     def cpu(self, k):
         """CPU seconds of process k: all of it, its coordinator thread, ZeroMQ's I/O thread."""
-        pid, tick = self.procs[k].pid, os.sysconf("SC_CLK_TCK")
-        tid = self.ask("threads", which=[k])[0]
-        out = {"process": 0.0, "coordinator_thread": 0.0, "zmq_io": 0.0}
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            with open(f"/proc/{pid}/task/{task}/comm") as f:
-                name = f.read().strip()
-            used = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-            out["process"] += used
-            if int(task) == tid:
-                out["coordinator_thread"] += used
-            elif name.startswith("ZMQbg/IO"):
-                out["zmq_io"] += used
-        return out
+        return coordinator_cpu(self.procs[k].pid, self.ask("threads", which=[k])[0])
 
     def stop(self, k):
         """Process k's machine goes silent: the process stops (SIGSTOP), nothing reaches it."""
