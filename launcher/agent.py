@@ -632,6 +632,8 @@ class Agent:
         a, msg = self.assignment, self.start_order
         assert a is not None and msg is not None
         self._report_gpu_memory_held()
+        if self.store is not None:  # held back while the template imported torch
+            self.store.serve()
         self.restart_count = msg.restart_count
         attempt = Attempt(run_id=self.plan.run_id, role=self.config.role,
                           group_rank=a.group_rank, group_world_size=a.group_world_size,

@@ -34,10 +34,11 @@ import msgpack
 from ftlaunch_contract.rank_exit import before_finalize
 from ftlaunch_contract.stack_dump import register_stack_dump
 
-OWN_PRELOAD = ("zmq", "ftlaunch_contract.protocol")
-"""What trainer_shim imports once it finds its agent (~0.1 s here, on the recovery path).
-Never trainer_shim itself: it connects at import, and the agent's address comes with the
-order."""
+OWN_PRELOAD = ("zmq", "ftlaunch_contract.protocol", "ftlaunch_contract.shards",
+               "ftlaunch_contract.staging", "ftlaunch_contract.reshard")
+"""What trainer_shim and its AsyncCheckpointer import once it finds its agent (~0.1 s here,
+on the recovery path: a forked rank's peers wait for it in their first collective). Never
+trainer_shim itself: it connects at import, and the agent's address comes with the order."""
 
 _PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
 _libc = ctypes.CDLL(None, use_errno=True)

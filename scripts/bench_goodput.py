@@ -11,13 +11,14 @@ Goodput is computed the same way for every launcher, from the launcher's merged 
 read line by line (time.monotonic stamps) - rank 0's ``step N`` lines:
 
     wall           the fixed wall time, from the launcher's start
-    productive     the time between consecutive step lines of one attempt, for the steps
-                   whose results survived: for each step number only its LAST training
-                   counts (less the checkpoint stalls below)
-    start-up       launch -> the first step line
+    productive     the time between consecutive step lines of one attempt, and from an
+                   attempt's ``start`` line (printed as its loop begins) to its first step
+                   line, for the steps whose results survived: for each step number only
+                   its LAST training counts (less the checkpoint stalls below)
+    start-up       launch -> rank 0's first start line
     re-computed    trainings of a step number that a later attempt trained again (it
                    resumed from an older checkpoint), and the step in flight at a kill
-    restart        detection + restart: kill -> the first step line of the next attempt
+    restart        detection + restart: kill -> rank 0's start line of the next attempt
                    (a step line a survivor prints before it learns of the kill is ignored)
     ckpt stalls    the steps with a save in them took this much longer, summed, than as
                    many steps without (the mean of those): what checkpointing blocked. A
@@ -177,9 +178,10 @@ def account(t0, wall, events, ckpt_every):
     (value = pid) or "kill"; only rank 0's step and start lines are used."""
     end = t0 + wall
     lost = dict.fromkeys(CAUSES, 0.0)
-    trainings = []  # (step, seconds, t_end) in order; seconds 0: inside start-up / restart
-    recoveries = []  # kill -> first step line of the next attempt
+    trainings = []  # (step, seconds, t_end, an attempt's first step) in order
+    recoveries = []  # kill -> rank 0's start line of the next attempt
     state, prev_t, down_since, waiting_start = "startup", None, None, False
+    begun = None  # rank 0's start line of the attempt to come (its loop begins)
     for t, kind, rank, value in sorted(e for e in events if e[0] <= end):
         if kind == "kill":
             if state == "up":
@@ -189,20 +191,21 @@ def account(t0, wall, events, ckpt_every):
         if rank != 0:
             continue
         if kind == "start":
-            if state == "down" and t >= down_since:
-                waiting_start = False
+            if state == "startup" or (state == "down" and t >= down_since):
+                waiting_start, begun = False, t
         elif kind == "step":
             if state == "startup":
-                lost["start-up"] = t - t0
-                trainings.append((value, 0.0, t))
+                begun = t if begun is None else begun
+                lost["start-up"] = begun - t0
+                trainings.append((value, t - begun, t, True))
                 state, prev_t = "up", t
             elif state == "up":
-                trainings.append((value, t - prev_t, t))
+                trainings.append((value, t - prev_t, t, False))
                 prev_t = t
             elif not waiting_start:  # down, and rank 0 has started again
-                lost["restart"] += t - down_since
-                recoveries.append(t - down_since)
-                trainings.append((value, 0.0, t))
+                lost["restart"] += begun - down_since
+                recoveries.append(begun - down_since)
+                trainings.append((value, t - begun, t, True))
                 state, prev_t = "up", t
     if state == "startup":
         lost["start-up"] = wall
@@ -211,22 +214,24 @@ def account(t0, wall, events, ckpt_every):
     else:
         lost["restart"] += end - down_since
         recoveries.append(None)  # never came back within the wall time
-    last = {step: i for i, (step, _, _) in enumerate(trainings)}
-    kept = [i == last[step] for i, (step, _, _) in enumerate(trainings)]
-    lost["re-computed"] += sum(s for (_, s, _), k in zip(trainings, kept, strict=True) if not k)
+    last = {step: i for i, (step, *_) in enumerate(trainings)}
+    kept = [i == last[step] for i, (step, *_) in enumerate(trainings)]
+    lost["re-computed"] += sum(s for (_, s, _, _), k in zip(trainings, kept, strict=True)
+                               if not k)
     # checkpoint stalls: the save at step k*ckpt_every lies in the interval of the step after
-    def saved(step):
-        return ckpt_every > 1 and (step - 1) % ckpt_every == 0  # every step: not told apart
-    counted = [(step, s, t) for (step, s, t), k in zip(trainings, kept, strict=True)
-               if k and s > 0]
-    durations = [s for step, s, _ in counted if not saved(step)]
+    # (an attempt's first step is timed from its start line: no save, no --step-time in it)
+    def saved(step, first):
+        return ckpt_every > 1 and (step - 1) % ckpt_every == 0 and not first
+    counted = [(step, s, t, first) for (step, s, t, first), k
+               in zip(trainings, kept, strict=True) if k]
+    durations = [s for step, s, _, first in counted if not saved(step, first) and not first]
     typical = statistics.median(durations) if durations else 0.0
     baseline = statistics.mean(durations) if durations else 0.0
-    with_saves = [s for step, s, _ in counted if saved(step)]
+    with_saves = [s for step, s, _, first in counted if saved(step, first)]
     stalled = sum(with_saves) - baseline * len(with_saves) > 0  # else the saves cost nothing
     timeline, productive = [(t0, 0.0)], 0.0
-    for step, seconds, t in counted:
-        stall = seconds - baseline if stalled and saved(step) else 0.0
+    for step, seconds, t, first in counted:
+        stall = seconds - baseline if stalled and saved(step, first) else 0.0
         lost["ckpt stalls"] += stall
         productive += seconds - stall
         timeline.append((t, productive))
@@ -483,6 +488,16 @@ def recovery_rate(args, work):
 # ---------------------------------------------------------------- main
 
 
+def compile_ours():
+    """Byte-compile ftlaunch's packages, as ``pip install`` does: torchrun's and NVRx's
+    modules are compiled in site-packages, and with PYTHONDONTWRITEBYTECODE (set on these
+    machines) ours would be compiled from source by every process, every restart."""
+    import compileall
+
+    for package in ("launcher", "trainer_shim", "ftlaunch_contract"):
+        compileall.compile_dir(REPO / package, quiet=1)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--launchers", default="ftlaunch,torchrun,nvrx",
@@ -529,6 +544,7 @@ def main():
             plot(runs, args.plot)
         return
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_goodput_")).resolve()
+    compile_ours()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True, check=False).stdout.strip()
     info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -264,7 +264,7 @@ class AgentMachine(RuleBasedStateMachine):
         self.replicas = FakeReplicas()
         self.workers.may_spawn = lambda: not self.agent.fetching or self.now >= self.pull_deadline
         self.pull_deadline = float("inf")
-        store = SimpleNamespace(port=29500, close=lambda: None)
+        store = SimpleNamespace(port=29500, serve=lambda: None, close=lambda: None)
         self.agent.attach(SimpleNamespace(
             control=self.control, hub=self.hub, workers=self.workers, events=self.events,
             health=self.health, template=None, new_store=lambda addr, port: store,

@@ -47,3 +47,22 @@ def test_goodput_counts_no_stall_for_saves_that_cost_nothing_and_each_saves_extr
 
     assert run(0.0)["lost_s"]["ckpt stalls"] < 0.05  # the old estimate: 0.27 s of noise
     assert run(0.005)["lost_s"]["ckpt stalls"] == pytest.approx(199 * 0.005, rel=0.2)
+
+
+def test_goodput_counts_an_attempts_first_step_from_its_start_line():
+    """A step line marks a step's end: an attempt's first step trained from the script's start
+    line on, and is productive, not start-up or restart (launch 0, start 2.0, kill 2.3)."""
+    import bench_goodput
+
+    events = [(2.0, "start", 0, 11), (2.05, "step", 0, 1), (2.15, "step", 0, 2),
+              (2.25, "step", 0, 3), (2.3, "kill", 1, 12), (2.32, "step", 0, 4),  # before it knew
+              (2.5, "start", 0, 11), (2.55, "step", 0, 3), (2.65, "step", 0, 4)]
+    acc = bench_goodput.account(0.0, 2.7, events, ckpt_every=1)
+    lost = acc["lost_s"]
+    assert lost["start-up"] == pytest.approx(2.0)
+    assert lost["restart"] == pytest.approx(0.2)
+    assert acc["recoveries_s"] == [pytest.approx(0.2)]
+    assert lost["re-computed"] == pytest.approx(0.05 + 0.1)  # in flight at the kill; step 3
+    assert acc["productive_s"] == pytest.approx(0.05 + 0.1 + 0.05 + 0.1)
+    assert lost["tail"] == pytest.approx(0.05)
+    assert acc["unaccounted_s"] == pytest.approx(0.0, abs=1e-9)
