@@ -71,8 +71,9 @@ def outgoing_addr(host: str) -> str:
 
 
 def room_for_connections(nodes: int, watched: bool) -> None:
-    """A coordinator holds a connection per agent (two in a large job: see the watch):
-    raise the open-file limit to what ``nodes`` need, or say why the job will not fit."""
+    """A coordinator holds a connection per agent (two in a large job: see the watch), and
+    so does the standby socket of its first successor: raise the open-file limit to what
+    ``nodes`` need, or say why the job will not fit."""
     need = nodes * (2 if watched else 1) + 1024
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft >= need:
@@ -105,6 +106,9 @@ class ControlPlane:
         self._redirecting: Coordinator | None = None  # see _host
         self.standby: zmq.Socket | None
         self.standby, self.standby_port = bind_router(context, addr, 0, node_timeout)
+        # Every agent keeps a connection open to the coordinator's first successor (see
+        # _prepare_takeover): ours may be the standby the whole job connects to.
+        room_for_connections(new_state().max_nodes, self._watching)
         self.members: Successors = ()  # by group rank: who would take over the coordinator
         self.coordinator_node = ""
         self.redirected = False  # we follow a redirect and have not been assigned since
@@ -115,11 +119,8 @@ class ControlPlane:
             self.standby = None
         else:
             self._try_to_host(endpoint)
-        self.socket = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
         self._endpoint = f"tcp://{endpoint[0]}:{endpoint[1]}"
-        self.socket.connect(self._endpoint)
+        self.socket, socket_monitor = self._dealer(self._endpoint)
         # In a large job, whose heartbeats and acks are too rare to find a silent machine
         # within the node timeout: a second connection that never carries a message, so
         # TCP keepalive alone says whether the coordinator's machine answers (on ours, a
@@ -133,11 +134,23 @@ class ControlPlane:
         if self._watching:
             self._watch(self._endpoint)
         # The coordinator's process dying closes our connections: act on it at once.
-        self.monitors = [connection_monitor(sock, zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
-                         for sock in (self.socket, self.watch)]
+        self.monitors = [socket_monitor, connection_monitor(self.watch, _CONNECTION_EVENTS)]
+        # Our next socket, already connected to the first successor's standby: a takeover
+        # of thousands of nodes then waits for no accept and no handshake.
+        self._next: tuple[zmq.Socket, zmq.Socket] | None = None
+        self._next_endpoint = ""
         self._rendezvous = self._endpoint if endpoint is not None else ""  # where agents meet
         self.last_heard = time.monotonic()
         self.next_heartbeat = time.monotonic() + self._interval
+
+    def _dealer(self, endpoint: str) -> tuple[zmq.Socket, zmq.Socket]:
+        """A DEALER connected to ``endpoint``, and its connection monitor."""
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 << 20)
+        monitor = connection_monitor(sock, _CONNECTION_EVENTS)
+        sock.connect(endpoint)
+        return sock, monitor
 
     @property
     def endpoint(self) -> str:
@@ -201,6 +214,7 @@ class ControlPlane:
         if isinstance(received.body, (Assign, Spare)):
             self.members = received.body.members
             self.coordinator_node = received.body.coordinator_node
+            self._prepare_takeover()
             if self._watching and self._watch_endpoint != self._endpoint:
                 self._watch(self._endpoint)
         if isinstance(received.body, Redirect):  # the job runs under a successor: go there
@@ -223,6 +237,37 @@ class ControlPlane:
         self.socket.connect(self._endpoint)
         if self._watching:
             self._watch("")
+
+    def _prepare_takeover(self) -> None:
+        """Keep our next socket connected to whoever would take over from the coordinator
+        (maybe us): the node of the lowest group rank, the coordinator's aside."""
+        successor = membership.successor([m.node_id for m in self.members],
+                                         self._lost | {self.coordinator_node})
+        entry = next((m for m in self.members if m.node_id == successor), None)
+        endpoint = f"tcp://{entry.addr}:{entry.standby_port}" \
+            if entry is not None and entry.standby_port else ""
+        if endpoint == self._next_endpoint:
+            return
+        self._drop_next()
+        if endpoint:
+            self._next, self._next_endpoint = self._dealer(endpoint), endpoint
+
+    def _drop_next(self) -> None:
+        if self._next is not None:
+            _close(*self._next)
+        self._next, self._next_endpoint = None, ""
+
+    def _take_next(self) -> None:
+        """Follow the coordinator on our next socket: the old one goes, with its monitor;
+        what the next one's monitor saw meanwhile says whether it is connected now."""
+        assert self._next is not None
+        _close(self.socket, self.monitors[0])
+        (self.socket, self.monitors[0]), self._next = self._next, None
+        self._endpoint, self._next_endpoint = self._next_endpoint, ""
+        self._down.discard(0)
+        if self._watching:
+            self._watch("")
+        self.on_monitor()
 
     def _watch(self, endpoint: str) -> None:
         """The watch connection to ``endpoint`` ("": none for now)."""
@@ -323,7 +368,11 @@ class ControlPlane:
                 state.last_seen[node] = now
             self._host(self.standby, state, takeover=f"coordinator node {self.coordinator_node} lost")
             self.standby = None
-        self._reconnect(f"tcp://{entry.addr}:{entry.standby_port}")
+        endpoint = f"tcp://{entry.addr}:{entry.standby_port}"
+        if endpoint == self._next_endpoint:
+            self._take_next()
+        else:
+            self._reconnect(endpoint)
         self.coordinator_node = successor
         self.last_heard = time.monotonic()
         return successor
@@ -333,9 +382,8 @@ class ControlPlane:
         leaving by a signal tells the others to go on once their ranks have stopped, and
         without that word they would wait the node timeout to find us gone."""
         for sock, monitor in zip((self.socket, self.watch), self.monitors, strict=True):
-            sock.disable_monitor()
-            monitor.close(linger=0)
-            sock.close()
+            _close(sock, monitor)
+        self._drop_next()
         if self.coordinator is not None:
             self.coordinator.wait_handed_over(self._node_timeout)
             self.coordinator.close()
@@ -343,3 +391,12 @@ class ControlPlane:
             self._redirecting.close()
         if self.standby is not None:
             self.standby.close(linger=0)
+
+
+_CONNECTION_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED
+
+
+def _close(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=0)

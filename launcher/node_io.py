@@ -15,7 +15,7 @@ import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -113,8 +113,7 @@ class NodeIO:
         self.new_store = lambda addr, port: AgentStore(addr, port, self.template)
         self.capture_stacks = stacks.capture
         self._poller = zmq.Poller()
-        for fd in (self.control.socket, *self.control.monitors, self.hub.socket, self._signal_fd,
-                   self.replicas.fd,
+        for fd in (self.hub.socket, self._signal_fd, self.replicas.fd,
                    *([self.health.fd] if self.health is not None else [])):
             self._poller.register(fd, zmq.POLLIN)
         self._polled: set[int] = set()
@@ -122,6 +121,7 @@ class NodeIO:
     def poll(self, timeout_ms: int) -> Iterator[Event]:
         """Wait up to ``timeout_ms`` for anything; yield what happened, in order."""
         self.runtime.publish(self.control.endpoint)  # the coordinator may have moved
+        self._sync_poller()
         for fd, _ in self._poller.poll(timeout_ms):
             if fd is self.control.socket:
                 msg = self.control.receive()
@@ -144,11 +144,11 @@ class NodeIO:
                 exit_ = self.workers.on_readable(fd)
                 if exit_ is not None:
                     yield exit_
-        self._sync_poller()
 
     def _sync_poller(self) -> None:
-        """Poll exactly the live ranks' pidfds and output pipes, and the rank template."""
-        wanted = set(self.workers.fds())
+        """Poll exactly the live ranks' pidfds and output pipes, the rank template, and the
+        control plane's sockets (a failover moves it to another)."""
+        wanted: set[Any] = {*self.workers.fds(), self.control.socket, *self.control.monitors}
         if self.template is not None and self.template.fd is not None:
             wanted.add(self.template.fd)
         for fd in self._polled - wanted:

@@ -139,12 +139,7 @@ class Agents:
             p = ControlPlane(self.context, SECRET, node_id(i), addr, ("127.0.0.1", port),
                              lambda: job_state(n, node_timeout), node_timeout, interval)
             self.planes[i], self.epoch[i] = p, 0
-            for sock in (p.socket, *p.monitors):
-                fd = sock.getsockopt(zmq.FD)
-                self.epoll.register(fd, select.EPOLLIN)
-                self.by_fd[fd] = i
-                if sock is not p.socket:
-                    self.monitor_fds.add(fd)
+            self.watch(i)
         me, end = psutil.Process(), time.monotonic() + 120
         while True:  # every DEALER connected before the clock starts
             up = sum(1 for c in me.net_connections("tcp") if c.raddr and c.raddr.port == port
@@ -178,6 +173,17 @@ class Agents:
             received = p.receive()
             if received is not None:
                 self.on_message(i, received, time.monotonic())
+
+    def watch(self, i):
+        """Agent i's socket and monitors in the epoll (again after a failover: the
+        successor's is another socket)."""
+        p = self.planes[i]
+        for sock in (p.socket, *p.monitors):
+            fd = sock.getsockopt(zmq.FD)
+            self.epoll.register(fd, select.EPOLLIN)
+            self.by_fd[fd] = i
+            if sock is not p.socket:
+                self.monitor_fds.add(fd)
 
     def unwatch(self, i):
         """Agent i is read no more (frozen, or its process died)."""
@@ -228,7 +234,9 @@ class Agents:
             if p.coordinator_lost(now):
                 self.note("failover", self.epoch[i], i, now)
                 a = self.assign[i]
+                self.unwatch(i)
                 if p.fail_over(self.epoch[i], a.restart_count, a.group_world_size) is not None:
+                    self.watch(i)
                     self.join(i)
 
     def spread_heartbeats(self):

@@ -15,4 +15,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 "$PY" -m pip install -q -e "$ROOT[test]" 2>&1 | grep -v "^WARNING: Location" || true
 "$PY" -c "import launcher, torch, zmq" >/dev/null
+# Byte-compile ours, as installing a wheel does: where PYTHONDONTWRITEBYTECODE is set, every
+# agent, rank template and rank would otherwise compile them from source at each start.
+"$PY" -m compileall -q "$ROOT/ftlaunch_contract" "$ROOT/launcher" "$ROOT/trainer_shim" >/dev/null
 export PATH="$VENV/bin:$PATH"

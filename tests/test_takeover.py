@@ -1,0 +1,95 @@
+"""A coordinator's successor is connected to before it is needed: every agent keeps a socket
+open to the standby of the node that would take over, so a takeover of thousands of nodes
+waits for no TCP accept and no handshake (real sockets, a real Coordinator)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+
+import psutil
+import zmq
+
+from ftlaunch_contract.messages import Assign, Join
+from launcher.control_plane import ControlPlane
+from launcher.coordinator import JobState
+
+SECRET = b"takeover-test-secret-0123456789ab"
+NODE_TIMEOUT = 5.0
+
+
+def _state() -> JobState:
+    return JobState(min_nodes=1, max_nodes=2, max_restarts=3, policy="job", backoff=0.0,
+                    backoff_max=0.0, exit_barrier_timeout=5.0, node_timeout=NODE_TIMEOUT,
+                    last_call=0.2, join_timeout=10.0, host_node="")
+
+
+def _join(plane: ControlPlane, epoch: int, seated: int) -> None:
+    plane.send(Join(node_id=plane.node_id, local_world_size=1, addr=plane.addr,
+                    standby_port=plane.standby_port, rank_hint=-1, replica_port=0, held=(),
+                    restart_count=0, seated_epoch=seated), epoch)
+
+
+def _assigned(plane: ControlPlane, after: int) -> int:
+    """Read ``plane`` until an assign of an epoch past ``after``; its epoch."""
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        if plane.socket.poll(50):
+            received = plane.receive()
+            if received is not None and isinstance(received.body, Assign) \
+                    and received.epoch > after:
+                return received.epoch
+    raise AssertionError(f"{plane.node_id} got no assign")
+
+
+def _connections_to(port: int) -> set[int]:
+    """Local ports of this process's established connections to ``port``."""
+    return {c.laddr.port for c in psutil.Process().net_connections("tcp")
+            if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED}
+
+
+def _until(check: Callable[[], bool], what: str) -> None:
+    end = time.monotonic() + 10
+    while not check():
+        assert time.monotonic() < end, what
+        time.sleep(0.02)
+
+
+def test_survivors_follow_the_successor_on_a_connection_opened_before_the_coordinator_died():
+    with socket.socket() as probe:  # closed at once (a ZeroMQ socket lets go of it later)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ctx = zmq.Context()
+    a = ControlPlane(ctx, SECRET, "node-a:1", "127.0.0.1", ("127.0.0.1", port), _state,
+                     NODE_TIMEOUT, 0.5)
+    b = ControlPlane(ctx, SECRET, "node-b:1", "127.0.0.1", ("127.0.0.1", port), _state,
+                     NODE_TIMEOUT, 0.5)
+    try:
+        assert a.hosting and not b.hosting, "node a binds the endpoint, as node 0 does"
+        _join(a, 0, -1)
+        _join(b, 0, -1)
+        epoch = _assigned(a, 0)
+        assert _assigned(b, 0) == epoch
+        assert a.coordinator_node == "node-a:1"
+        # Node b would take over (the lowest group rank but the coordinator's): both agents
+        # are connected to its standby socket now, long before any failure.
+        _until(lambda: len(_connections_to(b.standby_port)) == 2,
+               "both agents connect to the successor's standby once assigned")
+        before = _connections_to(b.standby_port)
+
+        dying, a.coordinator = a.coordinator, None
+        dying.close()  # node a's coordinator dies: its connections close
+        _until(lambda: (b.on_monitor(), b.coordinator_lost(time.monotonic()))[1],
+               "node b sees its coordinator's connection close")
+        assert b.fail_over(epoch, 0, 2) == "node-b:1"
+        assert b.hosting
+        _join(b, epoch, epoch)
+        assert _assigned(b, epoch) > epoch, "node b's own coordinator seats it"
+        # b reached its coordinator on the connection it had opened before: no new one.
+        assert _connections_to(b.standby_port) <= before
+        assert b.endpoint == f"tcp://127.0.0.1:{b.standby_port}"
+    finally:
+        b.close()
+        a.close()
+        ctx.term()
