@@ -139,6 +139,7 @@ class ControlPlane:
         # of thousands of nodes then waits for no accept and no handshake.
         self._next: tuple[zmq.Socket, zmq.Socket] | None = None
         self._next_endpoint = ""
+        self._takeover_due = False
         self._rendezvous = self._endpoint if endpoint is not None else ""  # where agents meet
         self.last_heard = time.monotonic()
         self.next_heartbeat = time.monotonic() + self._interval
@@ -214,7 +215,7 @@ class ControlPlane:
         if isinstance(received.body, (Assign, Spare)):
             self.members = received.body.members
             self.coordinator_node = received.body.coordinator_node
-            self._prepare_takeover()
+            self._takeover_due = True  # with our next heartbeat: not on the start's path
             if self._watching and self._watch_endpoint != self._endpoint:
                 self._watch(self._endpoint)
         if isinstance(received.body, Redirect):  # the job runs under a successor: go there
@@ -240,7 +241,10 @@ class ControlPlane:
 
     def _prepare_takeover(self) -> None:
         """Keep our next socket connected to whoever would take over from the coordinator
-        (maybe us): the node of the lowest group rank, the coordinator's aside."""
+        (maybe us): the node of the lowest group rank, the coordinator's aside. Done at the
+        heartbeat after an assign: a large job's beats are spread over their interval, so
+        its thousands of connections to the successor are too."""
+        self._takeover_due = False
         successor = membership.successor([m.node_id for m in self.members],
                                          self._lost | {self.coordinator_node})
         entry = next((m for m in self.members if m.node_id == successor), None)
@@ -319,6 +323,8 @@ class ControlPlane:
         if now >= self.next_heartbeat:
             self.send(Heartbeat(node_id=self.node_id, phase=phase, ranks=ranks), epoch)
             self.next_heartbeat = now + self._interval
+            if self._takeover_due:
+                self._prepare_takeover()
 
     def woke(self, now: float) -> None:
         """This agent was frozen (SIGSTOP, a VM pause): the silence was ours, not the

@@ -125,7 +125,7 @@ class Agents:
 
     def __init__(self, port, ids, n, addr, node_timeout, interval):
         self.context = zmq.Context()
-        self.context.set(zmq.MAX_SOCKETS, 8 * len(ids) + 64)
+        self.context.set(zmq.MAX_SOCKETS, 12 * len(ids) + 64)  # 9 an agent: 3 monitored
         self.n, self.interval = n, interval
         self.planes, self.epoch, self.assign, self.seated = {}, {}, {}, {}
         self.silent, self.closed = set(), set()
@@ -402,8 +402,9 @@ def can_silence():
 ROOMY_KERNEL = {"net/ipv4/ip_local_port_range": "10000\t65535", "net/core/somaxconn": "65535",
                 "net/ipv4/tcp_max_syn_backlog": "65535", "net/core/netdev_max_backlog": "65536"}
 """One machine plays 16,384: each agent has two connections to the coordinator (see
-ControlPlane.watch), all from 127.0.0.1, more than the default 28,232 ephemeral ports; and
-all of them connect to a successor at once (somaxconn: the listen backlog's cap). Loopback
+ControlPlane.watch) and one to its first successor, all from 127.0.0.1, more than the
+default 28,232 ephemeral ports; and all of them connect to a successor at once (somaxconn:
+the listen backlog's cap). Loopback
 packets wait in a CPU's backlog, 1,000 by default, which bursts of thousands of agents
 overflowed (/proc/net/softnet_stat counted 11,000 packets dropped over a few runs, each a
 TCP retry for its agent); a real machine has a NIC queue per core instead."""

@@ -72,8 +72,11 @@ def test_survivors_follow_the_successor_on_a_connection_opened_before_the_coordi
         epoch = _assigned(a, 0)
         assert _assigned(b, 0) == epoch
         assert a.coordinator_node == "node-a:1"
-        # Node b would take over (the lowest group rank but the coordinator's): both agents
-        # are connected to its standby socket now, long before any failure.
+        # Node b would take over (the lowest group rank but the coordinator's): with their
+        # next heartbeat both agents connect to its standby socket, long before any failure.
+        assert not _connections_to(b.standby_port)
+        for plane in (a, b):
+            plane.heartbeat_if_due(plane.next_heartbeat, epoch)
         _until(lambda: len(_connections_to(b.standby_port)) == 2,
                "both agents connect to the successor's standby once assigned")
         before = _connections_to(b.standby_port)
