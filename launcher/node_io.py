@@ -116,7 +116,7 @@ class NodeIO:
         for fd in (self.hub.socket, self._signal_fd, self.replicas.fd,
                    *([self.health.fd] if self.health is not None else [])):
             self._poller.register(fd, zmq.POLLIN)
-        self._polled: set[int] = set()
+        self._polled: set[Any] = set()
 
     def poll(self, timeout_ms: int) -> Iterator[Event]:
         """Wait up to ``timeout_ms`` for anything; yield what happened, in order."""
