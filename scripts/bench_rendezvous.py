@@ -530,7 +530,9 @@ def bench_ftlaunch(n, args):
         out["failover_dead_noticed_s"] = job.wait("failover", epoch, limit,
                                                   which=survivors)[1] - killed_at
         # The successor's machine goes silent (agent 1's process stopped; with iptables,
-        # its port dropped too): agent 2 takes over.
+        # its port dropped too): agent 2 takes over. First the job settles for a heartbeat
+        # interval, as between faults: survivors connect to their next successor then.
+        time.sleep(membership.beat_interval(args.heartbeat_interval, n))
         epoch = max(job.ask("epoch", which=survivors))
         standby = job.ask("standby_port", which=[1])[0]
         with silenced([standby]) if can_silence() else contextlib.nullcontext():
@@ -542,6 +544,8 @@ def bench_ftlaunch(n, args):
                                                 which=survivors)[1] - stopped_at
             out["failover_silent_ready_s"] = job.wait("start", epoch + 1, limit,
                                                       which=survivors)[1] - stopped_at
+            out["failover_silent_noticed_s"] = job.wait("failover", epoch, limit,
+                                                        which=survivors)[1] - stopped_at
         out["ok"] = True
     except (TimeoutError, RuntimeError, EOFError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
