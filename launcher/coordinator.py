@@ -553,9 +553,7 @@ class Coordinator:
               and len(s.group_ranks) < s.max_nodes):
             # A late joiner within MAX: scale up at the next safe point, i.e. now (a restart).
             self._start_new_round(f"node {node} joined: scaling up to {len(s.group_ranks) + 1} "
-                                  "nodes", s.restart_count, delay=0.0, now=now)
-            s.expected.add(node)
-            s.round_joined.add(node)
+                                  "nodes", s.restart_count, delay=0.0, now=now, newcomer=node)
         elif node not in s.group_ranks:
             if s.phase != RoundPhase.JOINING:
                 log.warning("node %s waits as a spare: the job runs on its maximum of %d nodes",
@@ -606,7 +604,10 @@ class Coordinator:
             s.current_policy = decision.policy
             self._start_new_round(cause, decision.restart_count, decision.delay, now)
 
-    def _start_new_round(self, cause: str, restart_count: int, delay: float, now: float) -> None:
+    def _start_new_round(self, cause: str, restart_count: int, delay: float, now: float,
+                         newcomer: str = "") -> None:
+        """``newcomer``: the late joiner the round scales up for; it takes the seat it
+        opened before any idle spare is seated."""
         s = self._state
         s.restart_count, s.last_cause = restart_count, cause
         s.peer_error = None
@@ -619,6 +620,9 @@ class Coordinator:
         s.round_joined.clear()
         s.joining_since = now
         s.min_reached_at = None
+        if newcomer:
+            s.expected.add(newcomer)
+            s.round_joined.add(newcomer)
         self._seat_spares()
 
     def _seat_spares(self) -> None:

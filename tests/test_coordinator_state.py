@@ -539,3 +539,20 @@ def test_a_fresh_endpoint_coordinator_keeps_the_successor_of_the_newest_epoch():
         coordinator_node="p1", addr="", port=0)))
     coordinator._handle(b"p1-announcer", Envelope(7, ahead), 1.2)
     assert coordinator._state.redirect == ahead, "no flip-flop between the two"
+
+
+def test_a_late_joiner_takes_the_seat_it_opened_before_an_idle_spare():
+    """Found by the state machine: n1 idles as a spare (its round closed without it) when n2
+    joins and the job scales up by one seat; n2 gets it, not n1 as well (4 nodes of MAX 3)."""
+    m = CoordinatorMachine()
+    m.join(node="n1", size=1)
+    m.time_passes(dt=1.5)  # n1 alone: last call
+    m.join(node="n0", size=1)  # scale up to 2; n1 never re-joins
+    m.join(node="n3", size=1)
+    m.time_passes(dt=1.5)  # n0 and n3 seated at last call; n1 idles
+    m.join(node="n2", size=1)  # scale up to 3
+    m.join(node="n0", size=1)
+    m.join(node="n3", size=1)
+    m.time_passes(dt=0.1)
+    assert m.state.phase == "waiting_store"
+    assert sorted(m.state.group_ranks) == ["n0", "n2", "n3"]
