@@ -249,6 +249,45 @@ def test_a_rank_that_finished_training_is_no_hang_however_slow_its_exit(tmp_path
     assert "trained" in run.output and "hung" not in run.output, run.output
 
 
+PROFILED = """\
+import cProfile, os, time
+import torch, torch.distributed as dist
+import trainer_shim as ft
+
+@ft.restartable
+def train(ctx):
+    profiler = cProfile.Profile()  # the user profiles their training
+    profiler.enable()
+    try:
+        dist.init_process_group("gloo")
+        print(f"entered rank {ctx.rank} attempt {ctx.attempt} pid {os.getpid()}", flush=True)
+        for step in range(1, 9):
+            if ctx.attempt == 0 and ctx.rank == 1 and step == 4:
+                os.kill(os.getpid(), 9)
+            dist.all_reduce(torch.ones(1))
+            ft.heartbeat(step)
+            time.sleep(0.02)
+    finally:
+        profiler.disable()
+
+train()
+"""
+
+
+def test_a_survivor_under_a_profiler_re_enters(tmp_path, launch):
+    """The abort raised in a survivor is cleared as it leaves without leaving CPython 3.11's
+    flag for one set: with a profiler on (cProfile, coverage, a debugger), the re-entered
+    function's first call spun there for ever until hang detection replaced the rank."""
+    script = tmp_path / "profiled.py"
+    script.write_text(PROFILED)
+    run = launch("--standalone", "--nproc-per-node", "2", "--hang-timeout", "30", str(script))
+    assert run.finish(120) == 0, run.output
+    entries = re.findall(r"entered rank 0 attempt (\d) pid (\d+)", run.output)
+    assert [attempt for attempt, _ in entries] == ["0", "1"], run.output
+    assert entries[0][1] == entries[1][1], f"rank 0 re-entered in place\n{run.output}"
+    assert "hung" not in run.output, run.output
+
+
 def test_rank_policy_across_two_nodes(request, tmp_path, launch, reference):
     """Two agents (nodes) on loopback, one rank each, shim script: rank 1's process is killed;
     the other node's rank re-enters in place and both resume from one checkpoint."""

@@ -45,8 +45,9 @@ class AgentLink:
         self._context = zmq.Context(io_threads=1)
         self._beats = self._connect()
         self._resume: queue.Queue[dict[str, str]] = queue.Queue()
-        self._training_thread = threading.main_thread().ident
+        self._training_thread: int | None = None  # the thread in the training function
         self._in_training = False
+        self._aborted = False  # an abort was raised in it since it entered
         self._abort_lock = threading.Lock()
         self.restartable = False
         self.stacks = register_stack_dump()
@@ -96,15 +97,18 @@ class AgentLink:
         self.send(Restartable(pid=self.pid))
 
     def enter_training(self) -> None:
+        """From the thread that runs the training function: an abort is raised in it."""
         with self._abort_lock:
-            self._in_training = True
+            self._training_thread, self._in_training = threading.get_ident(), True
 
     def leave_training(self) -> None:
-        """From now on an abort is ignored, and one already raised but not yet delivered
-        is withdrawn (PyThreadState_SetAsyncExc with NULL clears it)."""
+        """From the training thread: from now on an abort is ignored, and one already
+        raised but not yet delivered is withdrawn."""
         with self._abort_lock:
             self._in_training = False
-            _set_async_exc(self._training_thread, None)
+            aborted, self._aborted = self._aborted, False
+        if aborted:
+            withdraw_abort()
 
     def wait_resume(self) -> dict[str, str]:
         """Block until the agent says how to re-enter (it kills us if we are not needed)."""
@@ -151,10 +155,32 @@ class AgentLink:
                 elif isinstance(msg, Abort):
                     with self._abort_lock:
                         if self._in_training:
-                            _set_async_exc(self._training_thread, RestartRequested)
+                            self._aborted = True
+                            raise_in(self._training_thread, RestartRequested)
 
 
-def _set_async_exc(thread_id: int | None, exc: type[BaseException] | None) -> None:
-    """Raise ``exc`` in that thread at its next bytecode (None: cancel a pending one)."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread_id or 0), ctypes.py_object(exc) if exc else None)
+def raise_in(thread_id: int | None, exc: type[BaseException]) -> None:
+    """Raise ``exc`` in that thread when it next checks for one (a call, a loop's turn)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id or 0),
+                                               ctypes.py_object(exc))
+
+
+class _Withdrawn(BaseException):
+    """Takes the place of an abort that is no longer wanted, and is caught at once."""
+
+
+def withdraw_abort() -> None:
+    """In the thread an abort was raised in: drop it if it is still pending. Not by
+    PyThreadState_SetAsyncExc(NULL): on CPython 3.11 and 3.12 that leaves the interpreter's
+    flag for a pending exception set with nothing to deliver, and the next function call
+    made under a profiler or tracer (cProfile, coverage, a debugger) spins for ever. The
+    flag is reset only by delivering one: ours, replacing the abort, caught here."""
+    try:
+        raise_in(threading.get_ident(), _Withdrawn)
+        _deliver()  # a Python function's entry delivers it, if the return above did not
+    except _Withdrawn:
+        pass
+
+
+def _deliver() -> None:
+    pass
