@@ -270,7 +270,8 @@ def train(ctx):
     finally:
         profiler.disable()
 
-train()
+if __name__ == "__main__":
+    train()
 """
 
 
@@ -286,6 +287,23 @@ def test_a_survivor_under_a_profiler_re_enters(tmp_path, launch):
     assert [attempt for attempt, _ in entries] == ["0", "1"], run.output
     assert entries[0][1] == entries[1][1], f"rank 0 re-entered in place\n{run.output}"
     assert "hung" not in run.output, run.output
+
+
+def test_the_abort_goes_to_the_thread_running_the_training_function(tmp_path, launch):
+    """A script that trains in a thread of its own: the survivor's abort is raised there,
+    not in the main thread waiting for it (which would die of it once the thread ended)."""
+    (tmp_path / "profiled.py").write_text(PROFILED)
+    script = tmp_path / "threaded.py"
+    script.write_text("import threading\nfrom profiled import train\n"
+                      "worker = threading.Thread(target=train)\nworker.start()\nworker.join()\n"
+                      "print('main thread done', flush=True)\n")
+    run = launch("--standalone", "--nproc-per-node", "2", "--hang-timeout", "30", str(script),
+                 env={"PYTHONPATH": f"{tmp_path}:{SCRIPTS.parent}"})
+    assert run.finish(120) == 0, run.output
+    entries = re.findall(r"entered rank 0 attempt (\d) pid (\d+)", run.output)
+    assert [attempt for attempt, _ in entries] == ["0", "1"], run.output
+    assert entries[0][1] == entries[1][1], f"rank 0 re-entered in place\n{run.output}"
+    assert run.output.count("main thread done") == 2, run.output
 
 
 def test_rank_policy_across_two_nodes(request, tmp_path, launch, reference):
