@@ -10,8 +10,9 @@ from the others.
                 at most HEARTBEATS_PER_SECOND): the coordinator's CPU (thread + I/O thread)
                 over --window seconds, and per heartbeat.
     takeover    a successor's coordinator starts (as ControlPlane.fail_over starts it) and
-                N-1 survivors connect and join: last join sent, round closed, every assign
-                received.
+                N-1 survivors join, on connections to its standby socket opened beforehand
+                (ControlPlane._prepare_takeover) or, with --connect-at-takeover, all
+                connecting at once: last join sent, round closed, every assign received.
 
     python scripts/bench_coordinator.py --nodes 1024,4096,8192,16384
 """
@@ -80,19 +81,20 @@ def dealer(context, port):
     return sock
 
 
-def swarm(ids, n, port, takeover, window, conn, cpus):
+def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False):
     """Agents ``ids`` of a job of ``n`` in one process on ``cpus``: they beat at their share
     of the job's rate for ``window`` seconds, or join a takeover and wait for their assigns."""
     os.sched_setaffinity(0, cpus)
     context = zmq.Context()
     context.set(zmq.MAX_SOCKETS, len(ids) + 64)
     codecs = {i: Codec(SECRET) for i in ids}
-    socks = {} if takeover else {i: dealer(context, port) for i in ids}
+    socks = {} if connect_at_takeover else {i: dealer(context, port) for i in ids}
     conn.send("ready")
     t0 = conn.recv()  # one start for every process (CLOCK_MONOTONIC is the machine's)
     if takeover:
         for i in ids:
-            socks[i] = dealer(context, port)
+            if connect_at_takeover:
+                socks[i] = dealer(context, port)
             socks[i].send_multipart(codecs[i].encode(Join(
                 node_id=node(i), local_world_size=8, addr="127.0.0.1", rank_hint=-1,
                 standby_port=1, replica_port=0, held=(), restart_count=0, seated_epoch=5), 5))
@@ -134,7 +136,7 @@ def answer(conn, timeout=300):
     return conn.recv()
 
 
-def bench(n, takeover, window, cpus):
+def bench(n, takeover, window, cpus, connect_at_takeover=False):
     """``cpus``: the first for the coordinator, the others for the agents."""
     spawn = mp.get_context("spawn")
     here, there = mp.Pipe()
@@ -148,12 +150,12 @@ def bench(n, takeover, window, cpus):
     for k in range(procs):
         mine, theirs = mp.Pipe()
         worker = spawn.Process(target=swarm, daemon=True, args=(
-            ids[k::procs], n, port, takeover, window, theirs, cpus[1:]))
+            ids[k::procs], n, port, takeover, window, theirs, cpus[1:], connect_at_takeover))
         worker.start()
         swarms.append((worker, mine))
     for _, conn in swarms:
         answer(conn)
-    if not takeover:
+    if not connect_at_takeover:
         time.sleep(2.0)  # connected
     t0 = time.monotonic()
     cpu0 = coordinator_cpu(proc.pid, thread_id)
@@ -185,6 +187,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="1024,4096,8192,16384")
     p.add_argument("--window", type=float, default=10.0, help="seconds of heartbeats")
+    p.add_argument("--connect-at-takeover", action="store_true",
+                   help="survivors connect to the successor as they join (no connection "
+                        "opened beforehand)")
     args = p.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -197,7 +202,8 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for n in sizes:
         with roomy_kernel():  # as root: the loopback's backlog, ports, listen queue
-            hb, tk = bench(n, False, args.window, cpus), bench(n, True, 0, cpus)
+            hb = bench(n, False, args.window, cpus)
+            tk = bench(n, True, 0, cpus, args.connect_at_takeover)
         print(f"| {n} | {hb['heartbeats_per_s']:.0f} | {100 * hb['cpu']:.1f} % "
               f"({100 * hb['coordinator_thread']:.1f} + {100 * hb['zmq_io']:.1f}) | "
               f"{hb['cpu_us_per_heartbeat']:.0f} | {tk['joins_sent_s']:.2f} | "
