@@ -240,7 +240,7 @@ def test_fsdp_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(tmp_path,
     port = _free_port()
     logs = tmp_path / "logs"
     args = [*_train_args(tmp_path, steps=120), "--async-ckpt", "--fsdp", "--persist-every", "1000"]
-    extra = [["--no-warm-pool", "--log-dir", str(logs / f"node{i}")] for i in range(4)]
+    extra = [["--log-dir", str(logs / f"node{i}")] for i in range(4)]
     nodes = [_node(launch, port, "2:3", *args, extra=extra[0])]
     _wait_listening(port)
     nodes += [_node(launch, port, "2:3", *args, extra=extra[i]) for i in (1, 2)]
@@ -284,7 +284,7 @@ def test_a_hot_spare_restores_a_lost_nodes_ranks_from_a_peers_memory(tmp_path, l
             "--persist-every", "1000"]
     port = _free_port()
     logs = tmp_path / "logs"
-    extra = [["--no-warm-pool", "--log-dir", str(logs / f"node{i}")] for i in range(4)]
+    extra = [["--log-dir", str(logs / f"node{i}")] for i in range(4)]
     nodes = [_node(launch, port, "2:3", *args, extra=extra[0])]
     _wait_listening(port)
     nodes += [_node(launch, port, "2:3", *args, extra=extra[i]) for i in (1, 2)]
