@@ -275,6 +275,12 @@ if __name__ == "__main__":
 """
 
 
+def _assert_rank0_re_entered_in_place(output: str) -> None:
+    entries = re.findall(r"entered rank 0 attempt (\d) pid (\d+)", output)
+    assert [attempt for attempt, _ in entries] == ["0", "1"], output
+    assert entries[0][1] == entries[1][1], f"rank 0 re-entered in place\n{output}"
+
+
 def test_a_survivor_under_a_profiler_re_enters(tmp_path, launch):
     """The abort raised in a survivor is cleared as it leaves without leaving CPython 3.11's
     flag for one set: with a profiler on (cProfile, coverage, a debugger), the re-entered
@@ -283,9 +289,7 @@ def test_a_survivor_under_a_profiler_re_enters(tmp_path, launch):
     script.write_text(PROFILED)
     run = launch("--standalone", "--nproc-per-node", "2", "--hang-timeout", "30", str(script))
     assert run.finish(120) == 0, run.output
-    entries = re.findall(r"entered rank 0 attempt (\d) pid (\d+)", run.output)
-    assert [attempt for attempt, _ in entries] == ["0", "1"], run.output
-    assert entries[0][1] == entries[1][1], f"rank 0 re-entered in place\n{run.output}"
+    _assert_rank0_re_entered_in_place(run.output)
     assert "hung" not in run.output, run.output
 
 
@@ -300,9 +304,7 @@ def test_the_abort_goes_to_the_thread_running_the_training_function(tmp_path, la
     run = launch("--standalone", "--nproc-per-node", "2", "--hang-timeout", "30", str(script),
                  env={"PYTHONPATH": f"{tmp_path}:{SCRIPTS.parent}"})
     assert run.finish(120) == 0, run.output
-    entries = re.findall(r"entered rank 0 attempt (\d) pid (\d+)", run.output)
-    assert [attempt for attempt, _ in entries] == ["0", "1"], run.output
-    assert entries[0][1] == entries[1][1], f"rank 0 re-entered in place\n{run.output}"
+    _assert_rank0_re_entered_in_place(run.output)
     assert run.output.count("main thread done") == 2, run.output
 
 
