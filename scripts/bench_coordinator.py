@@ -12,7 +12,8 @@ from the others.
     takeover    a successor's coordinator starts (as ControlPlane.fail_over starts it) and
                 N-1 survivors join, on connections to its standby socket opened beforehand
                 (ControlPlane._prepare_takeover) or, with --connect-at-takeover, all
-                connecting at once: last join sent, round closed, every assign received.
+                connecting at once: the last join sent, the round closed and its assigns
+                queued (by the coordinator thread), the first and the last assign received.
 
     python scripts/bench_coordinator.py --nodes 1024,4096,8192,16384
 """
@@ -22,6 +23,7 @@ import logging
 import multiprocessing as mp
 import os
 import resource
+import select
 import time
 
 import zmq
@@ -65,10 +67,18 @@ def host(n, takeover, conn, cpu):
         s.phase = RoundPhase.RUNNING
     conn.recv()  # the agents are ready
     coordinator = Coordinator(sock, SECRET, s, "coordinator node lost" if takeover else None)
+    round_times = []  # the round closed, its assigns queued: the coordinator thread's share
+    complete = coordinator._complete_round
+
+    def timed_round():
+        round_times.append(time.monotonic())
+        complete()
+        round_times.append(time.monotonic())
+    coordinator._complete_round = timed_round
     coordinator.start()
     conn.send((port, coordinator._thread.native_id))
     conn.recv()  # done
-    conn.send(s.epoch)
+    conn.send(round_times)
 
 
 AGENTS_PER_PROCESS = 6000  # each DEALER takes two files: a process may open 20,000 here
@@ -98,16 +108,21 @@ def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False)
             socks[i].send_multipart(codecs[i].encode(Join(
                 node_id=node(i), local_world_size=8, addr="127.0.0.1", rank_hint=-1,
                 standby_port=1, replica_port=0, held=(), restart_count=0, seated_epoch=5), 5))
-        sent_at, assigned = time.monotonic(), {}
-        poller, index = zmq.Poller(), {sock: i for i, sock in socks.items()}
-        for sock in socks.values():
-            poller.register(sock, zmq.POLLIN)
-        while len(assigned) < len(ids) and time.monotonic() < t0 + 120:
-            for sock, _ in poller.poll(100):
-                while sock.poll(0):
-                    i = index[sock]
-                    if isinstance(codecs[i].decode(sock.recv_multipart()).body, Assign):
-                        assigned.setdefault(i, time.monotonic())
+        sent_at, arrived = time.monotonic(), {}
+        # One epoll over ZeroMQ's notification fds (zmq_poll over thousands of sockets costs
+        # milliseconds a call), and each message decoded only after the last arrived: on a
+        # cluster every agent receives and decodes its own, here one core would serialize it.
+        epoll, index = select.epoll(), {}
+        for i, sock in socks.items():
+            index[sock.getsockopt(zmq.FD)] = i
+            epoll.register(sock.getsockopt(zmq.FD), select.EPOLLIN)
+        while len(arrived) < len(ids) and time.monotonic() < t0 + 120:
+            for fd, _ in epoll.poll(0.1):
+                i = index[fd]
+                while socks[i].getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    arrived.setdefault(i, []).append((time.monotonic(), socks[i].recv_multipart()))
+        assigned = {i: next(t for t, frames in got if isinstance(codecs[i].decode(frames).body, Assign))
+                    for i, got in arrived.items()}
         conn.send((sent_at, min(assigned.values()), max(assigned.values()), len(assigned)))
     else:
         beat, sent = membership.beat_interval(0.5, n) / len(ids), 0  # evenly spread
@@ -176,7 +191,9 @@ def bench(n, takeover, window, cpus, connect_at_takeover=False):
         out["cpu"] = out["coordinator_thread"] + out["zmq_io"]
         out["cpu_us_per_heartbeat"] = 1e6 * out["cpu"] / out["heartbeats_per_s"]
     here.send("done")
-    here.recv()
+    round_times = here.recv()
+    if takeover and round_times:
+        out["round_closed_s"], out["assigns_queued_s"] = (t - t0 for t in round_times[:2])
     proc.kill()
     for worker, _ in swarms:
         worker.join(10)
@@ -190,6 +207,7 @@ def main():
     p.add_argument("--connect-at-takeover", action="store_true",
                    help="survivors connect to the successor as they join (no connection "
                         "opened beforehand)")
+    p.add_argument("--takeover-only", action="store_true", help="skip the heartbeats")
     args = p.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -198,16 +216,20 @@ def main():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # the coordinator's connections,
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # two files a DEALER
     print("| nodes | heartbeats/s | coordinator CPU (thread + I/O) | µs a heartbeat | "
-          "takeover: joins sent s | round's assigns: first s | all s |")
-    print("|---|---|---|---|---|---|---|")
+          "takeover: joins sent s | round closed s | its assigns queued s | "
+          "first received s | all received s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
         with roomy_kernel():  # as root: the loopback's backlog, ports, listen queue
-            hb = bench(n, False, args.window, cpus)
+            hb = None if args.takeover_only else bench(n, False, args.window, cpus)
             tk = bench(n, True, 0, cpus, args.connect_at_takeover)
-        print(f"| {n} | {hb['heartbeats_per_s']:.0f} | {100 * hb['cpu']:.1f} % "
-              f"({100 * hb['coordinator_thread']:.1f} + {100 * hb['zmq_io']:.1f}) | "
-              f"{hb['cpu_us_per_heartbeat']:.0f} | {tk['joins_sent_s']:.2f} | "
-              f"{tk['first_assign_s']:.2f} | {tk['all_assigned_s']:.2f} |", flush=True)
+        beats = "| - | - | - " if hb is None else (
+            f"| {hb['heartbeats_per_s']:.0f} | {100 * hb['cpu']:.1f} % "
+            f"({100 * hb['coordinator_thread']:.1f} + {100 * hb['zmq_io']:.1f}) | "
+            f"{hb['cpu_us_per_heartbeat']:.0f} ")
+        print(f"| {n} {beats}| {tk['joins_sent_s']:.2f} | {tk['round_closed_s']:.2f} | "
+              f"{tk['assigns_queued_s']:.2f} | {tk['first_assign_s']:.2f} | "
+              f"{tk['all_assigned_s']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
