@@ -373,6 +373,17 @@ class Parked(Body):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Stuck(Body):
+    """Told to leave, the thread running the training function has been blocked in one
+    native call since, burning no CPU (a collective waiting for a rank that is gone or
+    parked: gloo's cannot be interrupted): it will not park, replace it now."""
+
+    TYPE = "stuck"
+    pid: int
+    where: str  # the innermost Python frame it is blocked under
+
+
+@dataclass(frozen=True, kw_only=True)
 class ShardDurable(Body):
     """Its checkpoint writer made its shard of ``step`` durable."""
 
@@ -416,5 +427,5 @@ CONTROL: dict[str, type[Body]] = {m.TYPE: m for m in (
     HeartbeatAck, Assign, Start, Recover, Stop, Redirect, Spare, Committed, InMemory,
     StatusQuery, JobStatus)}
 LOCAL: dict[str, type[Body]] = {m.TYPE: m for m in (
-    Hello, Restartable, Beat, Tick, Leaving, Learned, Section, Parked, ShardDurable,
+    Hello, Restartable, Beat, Tick, Leaving, Learned, Section, Parked, Stuck, ShardDurable,
     ShardStaged, Abort, Resume, Committed)}

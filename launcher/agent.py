@@ -310,13 +310,16 @@ class Agent:
         if verdict is None:
             return
         if verdict.late:
-            self.events.emit("escalated", f"ranks {list(verdict.late)} did not leave their "
-                             f"training function within {self.config.stop_timeout:g}s: "
-                             "replacing them", ranks=list(verdict.late))
+            self.events.emit("escalated", verdict.reason if any(verdict.blocked_in) else
+                             f"ranks {list(verdict.late)} did not leave their training "
+                             f"function within {self.config.stop_timeout:g}s: replacing them",
+                             ranks=list(verdict.late), blocked_in=list(verdict.blocked_in))
         log.info("%s", verdict.reason)
         self.keep, self.parked = verdict.keep, {}  # rebuilt from keep once the rest is gone
         self._stop(Phase.BACKING_OFF,
                    ranks=[r for r in self.workers.alive() if r.proc.pid in verdict.stop])
+        self.workers.send_signal(signal.SIGKILL, [r for r in self.workers.alive()
+                                                  if r.rank in verdict.late])
 
     def _on_stop(self, exit_code: int, reason: str) -> None:
         """The job is over (the coordinator's word)."""
@@ -750,7 +753,8 @@ class Agent:
 
     def _survivors(self) -> list[node_policy.Survivor]:
         return [node_policy.Survivor(r.proc.pid, r.rank, self.hub.restartable(r.proc.pid),
-                                     self.hub.parked(r.proc.pid)) for r in self.workers.alive()]
+                                     self.hub.parked(r.proc.pid), self.hub.stuck(r.proc.pid))
+                for r in self.workers.alive()]
 
     def _ready_to_start(self) -> bool:
         """Nothing the ranks must wait for: no shard being pulled, no dead rank's GPU

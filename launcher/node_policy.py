@@ -72,6 +72,7 @@ class Survivor:
     rank: int
     restartable: bool  # runs inside trainer_shim.restartable: can re-enter in place
     parked: bool  # left its training function and waits to resume
+    stuck: str = ""  # where it is blocked instead of leaving ("": not known to be)
 
 
 def to_abort(survivors: Sequence[Survivor], policy: str) -> list[int]:
@@ -84,31 +85,40 @@ def to_abort(survivors: Sequence[Survivor], policy: str) -> list[int]:
 class ParkVerdict:
     keep: tuple[int, ...]  # pids parked: they resume in place at the next start
     stop: tuple[int, ...]  # pids to stop
-    late: tuple[int, ...]  # global ranks that could have parked but did not in time
+    late: tuple[int, ...]  # global ranks that could have parked but did not in time: killed
     reason: str
+    blocked_in: tuple[str, ...] = ()  # per late rank: where it was stuck ("": timed out)
 
 
 def park_or_stop(survivors: Sequence[Survivor], policy: str, now: float,
                  deadline: float) -> ParkVerdict | None:
-    """Once every re-enterable survivor parked (or ``deadline`` passed): which to keep,
-    which to stop. None while one may still park."""
-    keep, stop, late = [], [], []
+    """Once every re-enterable survivor parked, or is stuck (blocked where an abort cannot
+    reach it), or ``deadline`` passed: which to keep, which to stop. None while one may
+    still park. Those that could have parked and did not are late: stopped at once (SIGKILL:
+    a rank blocked in native code would not run a SIGTERM handler either)."""
+    keep, stop, late, blocked_in = [], [], [], []
     for s in survivors:
         if s.parked and policy == "rank":
             keep.append(s.pid)
-        elif s.restartable and now < deadline and policy == "rank":
+        elif s.restartable and not s.stuck and now < deadline and policy == "rank":
             return None  # still leaving its training function
         else:
             stop.append(s.pid)
             if s.restartable and policy == "rank":
                 late.append(s.rank)
-    if late:
+                blocked_in.append(s.stuck)
+    if any(blocked_in):
+        reason = f"ranks {late} did not leave their training function (blocked in " + \
+            ", ".join(f"{where} on rank {rank}" for rank, where in zip(late, blocked_in,
+                                                                       strict=True) if where) + \
+            "): replacing them"
+    elif late:
         reason = f"ranks {late} did not leave their training function in time: replacing them"
     elif keep:
         reason = f"{len(keep)} rank(s) parked to resume in place, {len(stop)} to stop"
     else:
         reason = f"{policy} restart: stopping all {len(stop)} live rank(s)"
-    return ParkVerdict(tuple(keep), tuple(stop), tuple(late), reason)
+    return ParkVerdict(tuple(keep), tuple(stop), tuple(late), reason, tuple(blocked_in))
 
 
 class GpuAction(StrEnum):

@@ -26,6 +26,7 @@ from ftlaunch_contract.messages import (
     Section,
     ShardDurable,
     ShardStaged,
+    Stuck,
     Tick,
 )
 from ftlaunch_contract.protocol import ProtocolError, pack_local, unpack_local
@@ -42,6 +43,7 @@ class RankLink:
     restartable: bool = False
     stacks: bool = False  # registered the stack-dump signal
     parked: bool = False
+    stuck: str = ""  # told to leave, blocked here instead (see trainer_shim's STUCK_AFTER)
     leaving: bool = False  # its training is over: the process is exiting
     error: str = ""
     pending: list[bytes] = field(default_factory=list)  # commands before its hello
@@ -77,7 +79,7 @@ class RankHub:
         already armed the stack-dump signal (a warm-pool process does before its hello)."""
         link = self.links.setdefault(pid, RankLink(RankActivity(now)))
         link.activity = RankActivity(now)
-        link.parked = False
+        link.parked, link.stuck = False, ""
         link.stacks = link.stacks or stacks
 
     def restartable(self, pid: int) -> bool:
@@ -87,6 +89,11 @@ class RankHub:
     def parked(self, pid: int) -> bool:
         link = self.links.get(pid)
         return link is not None and link.parked
+
+    def stuck(self, pid: int) -> str:
+        """Where a rank told to leave its training function is blocked ("": it is not)."""
+        link = self.links.get(pid)
+        return link.stuck if link is not None else ""
 
     def error(self, pid: int) -> str:
         """The traceback a rank parked with after raising on its own ("" after an abort)."""
@@ -151,6 +158,8 @@ class RankHub:
                 case ShardStaged():
                     news.staged.append((msg.rank, msg.step))
                     news.save_times.append(("staged", msg.rank, msg.step, msg.seconds))
+                case Stuck():
+                    link.stuck = msg.where or "native code"
                 case Parked():
                     link.parked, link.error = True, msg.error
                     link.activity.step = max(link.activity.step, msg.step)

@@ -4,10 +4,11 @@ It demonstrates what a fault-tolerant launcher has to cope with, using only torc
 env:// rendezvous as torchrun sets it up, atomic self-managed checkpoints that make a
 killed-and-resumed run end bit-identical to an uninterrupted one, and env-controlled
 fault injection (TRAIN_FAULT_RANK / TRAIN_FAULT_STEP / TRAIN_FAULT_KIND: kill, segv, exit,
-exception, stop, hang, spin) that fires only in the first attempt (TORCHELASTIC_RESTART_COUNT
+exception, stop, hang, spin; TRAIN_FAULT_DELAY: seconds the rank waits first) that fires only in the first attempt (TORCHELASTIC_RESTART_COUNT
 unset or "0") unless TRAIN_FAULT_EVERY_ATTEMPT is set; TRAIN_STUCK_RANK blocks that rank for
 good at the same step. TRAIN_CHAOS_DIR (scripts/chaos.py): a file ``rank<r>`` there holds a
-fault kind rank r injects at its next step, in any attempt. --shim runs the same training through trainer_shim (and stops at
+fault kind rank r injects at its next step, in any attempt, and a file ``unpaced`` ends
+--step-time's pacing (the faults are over: the rest only has to reach --steps). --shim runs the same training through trainer_shim (and stops at
 ft.preempted(), saving first); --async-ckpt checkpoints through its AsyncCheckpointer
 (every rank its own state; --persist-every); --cuda puts each rank on its GPU with NCCL.
 
@@ -99,6 +100,12 @@ def chaos_fault(rank):
     return kind
 
 
+def chaos_over():
+    """scripts/chaos.py injected its last fault: the steps left need no pacing."""
+    return "TRAIN_CHAOS_DIR" in os.environ and os.path.exists(
+        os.path.join(os.environ["TRAIN_CHAOS_DIR"], "unpaced"))
+
+
 def maybe_inject_fault(rank, step, heartbeat):
     env = os.environ
     if "TRAIN_CHAOS_DIR" in env and (kind := chaos_fault(rank)):
@@ -119,6 +126,7 @@ def maybe_inject_fault(rank, step, heartbeat):
         lock.acquire()  # blocks in C: deaf to everything but signals
     if rank != int(env.get("TRAIN_FAULT_RANK", -1)):
         return
+    time.sleep(float(env.get("TRAIN_FAULT_DELAY", 0)))  # its peers wait in a collective
     inject(env.get("TRAIN_FAULT_KIND", "exception"), rank, step)
 
 
@@ -309,7 +317,7 @@ def train(ctx, args, shim):
                 atomic_save(state, ckpt_path)
             if distributed:
                 dist.barrier()
-        if args.step_time > 0:
+        if args.step_time > 0 and not chaos_over():
             time.sleep(args.step_time)
     if checkpointer:
         checkpointer.close()  # everything saved is durable before we report done

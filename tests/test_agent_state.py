@@ -123,7 +123,7 @@ class FakeHub:
     def track(self, pid: int, now: float, stacks: bool = False) -> None:
         link = self.links.setdefault(pid, {"restartable": self.restartable_from_start,
                                            "error": ""})
-        link["parked"] = False
+        link["parked"], link["stuck"] = False, ""
         self.aborted.discard(pid)
 
     def forget(self, pid: int) -> None:
@@ -137,6 +137,9 @@ class FakeHub:
 
     def error(self, pid: int) -> str:
         return self.links.get(pid, {}).get("error", "")
+
+    def stuck(self, pid: int) -> str:
+        return self.links.get(pid, {}).get("stuck", "")
 
     def stacks_armed(self, pid: int) -> bool:
         return False
@@ -416,6 +419,17 @@ class AgentMachine(RuleBasedStateMachine):
         rank = data.draw(st.sampled_from([r for r in self._living()
                                           if r.proc.pid in self.hub.aborted]))
         self._park(rank, error="")
+
+    @precondition(lambda self: any(r.proc.pid in self.hub.aborted for r in self._living()))
+    @rule(data=st.data())
+    def an_aborted_rank_is_stuck_in_native_code(self, data):
+        rank = data.draw(st.sampled_from([r for r in self._living()
+                                          if r.proc.pid in self.hub.aborted]))
+        parking = self.agent.phase == Phase.PARKING
+        self.hub.links[rank.proc.pid]["stuck"] = "all_gather_single (distributed_c10d.py:1)"
+        self.agent.on_rank_messages()
+        if parking and self.agent.phase != Phase.PARKING:  # decided: killed, not waited for
+            assert signal.SIGKILL in rank.signals, "a stuck rank is killed at once"
 
     @precondition(lambda self: any(self.hub.restartable(r.proc.pid) for r in self._living()))
     @rule(data=st.data())

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from launcher import failures, recovery
 from launcher.membership import Assignment, Member, assign_ranks
+from launcher.node_policy import Survivor, park_or_stop
 from launcher.rank_env import Attempt, rank_command, rank_env
 
 # --- membership.assign_ranks ----------------------------------------------------------------
@@ -432,3 +433,17 @@ def test_rank_hints_order_newcomers_but_never_move_old_members():
     assert [a.node_id for a in assign_ranks(members)] == ["b", "a", "c"]
     previous = {"a": 0, "b": 1}
     assert [a.node_id for a in assign_ranks(members, previous)] == ["a", "b", "c"]
+
+
+def test_a_survivor_stuck_in_native_code_is_replaced_without_waiting_for_the_deadline():
+    parked = Survivor(pid=11, rank=1, restartable=True, parked=True)
+    stuck = Survivor(pid=10, rank=0, restartable=True, parked=False,
+                     stuck="all_gather_single (distributed/distributed_c10d.py:4394)")
+    verdict = park_or_stop([stuck, parked], "rank", now=0.0, deadline=60.0)
+    assert verdict is not None and verdict.keep == (11,) and verdict.stop == (10,)
+    assert verdict.late == (0,) and verdict.blocked_in == (stuck.stuck,)
+    assert "blocked in all_gather_single" in verdict.reason
+    leaving = Survivor(pid=12, rank=2, restartable=True, parked=False)  # may still park
+    assert park_or_stop([stuck, parked, leaving], "rank", now=0.0, deadline=60.0) is None
+    late = park_or_stop([stuck, parked, leaving], "rank", now=60.0, deadline=60.0)
+    assert late is not None and late.late == (0, 2) and late.blocked_in == (stuck.stuck, "")

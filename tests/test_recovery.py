@@ -206,17 +206,44 @@ def test_no_progress_escalates_up_the_ladder_then_stops_do_not_requeue(tmp_path,
 
 def test_survivor_that_cannot_leave_its_training_function_is_replaced(tmp_path, launch,
                                                                        reference):
-    """Rank 0 is blocked in a C call (deaf to the shim's abort) when rank 1 dies: after
-    --stop-timeout the agent escalates for that rank and replaces it too."""
+    """Rank 0 is blocked in a C call (deaf to the shim's abort) when rank 1 dies: its shim
+    finds the training thread idle in native code and says so, and the agent replaces that
+    rank too at once, not after --stop-timeout (60 s here)."""
     env = {"TRAIN_FAULT_RANK": "1", "TRAIN_FAULT_STEP": "10", "TRAIN_FAULT_KIND": "kill",
            "TRAIN_STUCK_RANK": "0"}
-    run, out, logs = _run(launch, tmp_path, "--stop-timeout", "1", env=env)
+    run, out, logs = _run(launch, tmp_path, "--stop-timeout", "60", env=env)
     assert run.finish(180) == 0, run.output
     _check_result(out, reference, 10, run.output)
     escalated = [e for e in _events(logs) if e["event"] == "escalated"]
     assert escalated and escalated[0]["ranks"] == [0], run.output
+    assert escalated[0]["blocked_in"][0].startswith("maybe_inject_fault (scripts/train_gpt.py:"), \
+        run.output
     recovered = [e for e in _events(logs) if e["event"] == "recovered"]
     assert recovered[0]["resumed"] == [] and sorted(recovered[0]["forked"]) == [0, 1], run.output
+
+
+def test_a_survivor_waiting_in_a_collective_for_a_rank_that_raised_is_replaced_at_once(
+        tmp_path, launch):
+    """FSDP2 on gloo: rank 1 raises while rank 0 waits for it in the step's first all-gather.
+    Rank 1 parks, but its process group outlives destroy_process_group (DTensor's caches
+    hold its mesh), so its connections stay open and rank 0's all-gather never returns: an
+    abort cannot reach it, gloo has no abort. Its shim reports it blocked there, and only
+    it is replaced (forked); the rank that raised re-enters in place. --stop-timeout is 60 s:
+    the job would wait that long without the report."""
+    step = 10
+    env = {"TRAIN_FAULT_RANK": "1", "TRAIN_FAULT_STEP": str(step),
+           "TRAIN_FAULT_KIND": "exception", "TRAIN_FAULT_DELAY": "1"}
+    run, out, logs = _run(launch, tmp_path, "--stop-timeout", "60", env=env,
+                          extra=["--fsdp", "--async-ckpt"])
+    assert run.finish(180) == 0, run.output
+    result = json.loads(out.read_text())
+    assert result["final_step"] == STEPS, run.output
+    assert result["resumed_from"] == (step - 1) // CKPT_EVERY * CKPT_EVERY, run.output
+    escalated = [e for e in _events(logs) if e["event"] == "escalated"]
+    assert [e["ranks"] for e in escalated] == [[0]], run.output
+    assert escalated[0]["blocked_in"][0].startswith("all_gather"), run.output
+    recovered = [e for e in _events(logs) if e["event"] == "recovered"]
+    assert recovered[0]["resumed"] == [1] and recovered[0]["forked"] == [0], run.output
 
 
 def test_shim_is_a_no_op_without_an_agent(tmp_path):

@@ -79,7 +79,8 @@ def heartbeat(step: int | None = None) -> None:
         _last_step = max(_last_step, int(step))
     now = time.monotonic()
     if _last_call:
-        _longest_interval = max(_longest_interval, now - _last_call)
+        _link.pace = now - _last_call
+        _longest_interval = max(_longest_interval, _link.pace)
     _last_call = now
     if now - _last_beat >= MIN_BEAT_INTERVAL:
         _last_beat = now

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import os
 import queue
+import sys
 import threading
 import time
 
@@ -32,11 +33,19 @@ from ftlaunch_contract.messages import (
     Restartable,
     Resume,
     Section,
+    Stuck,
     Tick,
 )
 from ftlaunch_contract.protocol import TICK_INTERVAL, pack_local, unpack_local
 from ftlaunch_contract.stack_dump import register_stack_dump
 from trainer_shim.restart import RestartRequested
+
+STUCK_AFTER = 0.1
+"""Seconds (or two of the rank's steps, if longer) a training thread told to leave may stay
+in native code burning (almost) no CPU before it is reported stuck: an abort is raised only
+between two Python instructions, and a gloo collective waiting for a rank that failed never
+returns (its peer's process lives on, parked, and gloo has no abort). A GPU step's host thread
+also waits idle, but not for longer than the step."""
 
 
 class AgentLink:
@@ -49,6 +58,8 @@ class AgentLink:
         self._in_training = False
         self._aborted = False  # an abort was raised in it since it entered
         self._abort_lock = threading.Lock()
+        self._watch: tuple[float, float] | None = None  # see _check_stuck
+        self.pace = 0.0  # seconds between the last two heartbeat() calls: about a step
         self.restartable = False
         self.stacks = register_stack_dump()
         self._commands = self._connect()
@@ -140,9 +151,12 @@ class AgentLink:
                 self._next_tick = now + TICK_INTERVAL
                 with contextlib.suppress(zmq.Again):
                     self._commands.send(pack_local(Tick(pid=self.pid, sent=now)), zmq.NOBLOCK)
-            ready = dict(poller.poll(int(TICK_INTERVAL * 1000)))
+            wait = TICK_INTERVAL if self._watch is None else max(0.0, self._watch[0] - now)
+            ready = dict(poller.poll(int(min(wait, TICK_INTERVAL) * 1000)))
             if self._wake_r in ready:
                 return
+            if self._watch is not None and time.monotonic() >= self._watch[0]:
+                self._check_stuck()
             if ready:
                 try:
                     msg = unpack_local(self._commands.recv())
@@ -157,6 +171,38 @@ class AgentLink:
                         if self._in_training:
                             self._aborted = True
                             raise_in(self._training_thread, RestartRequested)
+                            self._watch = self._next_watch()
+
+    def _window(self) -> float:
+        return max(STUCK_AFTER, 2 * self.pace)
+
+    def _next_watch(self) -> tuple[float, float] | None:
+        """(when to look again, the training thread's CPU seconds now)."""
+        try:
+            cpu = time.clock_gettime(time.pthread_getcpuclockid(self._training_thread or 0))
+        except OSError:  # the thread is gone
+            return None
+        return time.monotonic() + self._window(), cpu
+
+    def _check_stuck(self) -> None:
+        """The training thread was told to leave a window ago: if it has neither left nor
+        used a tenth of the window's CPU since, it waits in native code for something that
+        will not come; the agent replaces the rank instead of waiting out --stop-timeout."""
+        with self._abort_lock:
+            assert self._watch is not None
+            _, cpu = self._watch
+            if not (self._in_training and self._aborted):
+                self._watch = None
+                return
+            self._watch = self._next_watch()
+            if self._watch is None or self._watch[1] - cpu > self._window() / 10:
+                return  # busy (a long native step): it leaves at its end
+            self._watch = None
+            frame = sys._current_frames().get(self._training_thread or 0)
+            where = "" if frame is None else f"{frame.f_code.co_name} (" \
+                f"{'/'.join(frame.f_code.co_filename.split('/')[-2:])}:{frame.f_lineno})"
+        with contextlib.suppress(zmq.Again):
+            self._commands.send(pack_local(Stuck(pid=self.pid, where=where)), zmq.NOBLOCK)
 
 
 def raise_in(thread_id: int | None, exc: type[BaseException]) -> None:
