@@ -790,10 +790,13 @@ def campaign_table(runs: list[tuple[Options, Run, dict]]) -> str:
     by_kind: dict[str, int] = {}
     policies: dict[str, int] = {}
     seconds, lost, failed = [], 0, 0
+    kind_seconds: dict[str, list[float]] = {}  # a slow path shows up by its fault's kind
     for _, run, verdict in runs:
         failed += any(v is not None for v in verdict.values())
         for inj in run.injected:
             by_kind[inj.fault.kind] = by_kind.get(inj.fault.kind, 0) + 1
+        for kind, took in recovery_by_fault(run):
+            kind_seconds.setdefault(kind, []).append(took)
         for r in recoveries(job_events(run)):
             policies[r["policy"]] = policies.get(r["policy"], 0) + 1
         done = {}
@@ -813,9 +816,25 @@ def campaign_table(runs: list[tuple[Options, Run, dict]]) -> str:
              f"| {len(runs)} | {sum(by_kind.values())} | {failed} | "
              f"{', '.join(f'{k} {v}' for k, v in sorted(policies.items()))} | "
              f"{statistics.median(seconds) if seconds else 0:.2f} / {p95:.2f} | {lost} |",
-             "", "| fault | injected |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in sorted(by_kind.items())]
+             "", "| fault | injected | recovered in, median / max (s) |", "|---|---|---|"]
+    lines += [f"| {k} | {v} | " + (f"{statistics.median(kind_seconds[k]):.2f} / "
+                                    f"{max(kind_seconds[k]):.2f} |" if k in kind_seconds else "- |")
+              for k, v in sorted(by_kind.items())]
     return "\n".join(lines)
+
+
+def recovery_by_fault(run: Run) -> list[tuple[str, float]]:
+    """(fault kind, seconds) of the first recovery each fault caused (before the next
+    fault), as its agents timed it (the slowest of them)."""
+    done = sorted((e["ts"], e["restart_count"], e["seconds"]) for e in run.events
+                  if e["event"] == "recovered")
+    out = []
+    for k, inj in enumerate(run.injected):
+        until = run.injected[k + 1].at if k + 1 < len(run.injected) else float("inf")
+        count = next((c for ts, c, _ in done if inj.at < ts < until), None)
+        if count is not None:
+            out.append((inj.fault.kind, max(took for _, c, took in done if c == count)))
+    return out
 
 
 def usable_kinds(kinds: tuple[str, ...], want_netns: bool) -> tuple[str, ...]:

@@ -55,6 +55,18 @@ def good_run() -> tuple[chaos.Run, chaos.Reference]:
     return run, ref
 
 
+def test_the_campaign_table_times_each_faults_recovery_by_kind():
+    """A slow path shows as its fault kind's time (how the 4 s FSDP survivor was seen)."""
+    run, ref = good_run()
+    second = chaos.Injected(chaos.Fault("exception", 16, 0), T0 + 16.0, "rank 0")
+    later = [{"ts": T0 + 20.1, "event": "recovered", "restart_count": 2, "seconds": 4.0},
+             {"ts": T0 + 20.2, "event": "recovered", "restart_count": 2, "seconds": 4.1}]
+    run = dataclasses.replace(run, injected=[*run.injected, second], events=run.events + later)
+    assert chaos.recovery_by_fault(run) == [("kill", 0.1), ("exception", 4.1)]
+    table = chaos.campaign_table([(None, run, chaos.check(run, ref))])
+    assert "| exception | 1 | 4.10 / 4.10 |" in table and "| kill | 1 | 0.10 / 0.10 |" in table
+
+
 def test_a_good_run_holds_every_invariant():
     run, ref = good_run()
     assert chaos.check(run, ref) == dict.fromkeys(chaos.INVARIANTS)
