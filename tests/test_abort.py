@@ -39,3 +39,74 @@ def test_withdrawing_an_abort_leaves_no_pending_flag_behind():
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["delivered", "profiled call returned"], done.stdout
+
+
+STUCK_OR_NOT = """\
+import hashlib, os, sys, threading, time
+import zmq
+from ftlaunch_contract import environment
+from ftlaunch_contract.messages import Abort
+from ftlaunch_contract.protocol import pack_local, unpack_local
+
+hub = zmq.Context().socket(zmq.ROUTER)
+hub.bind(os.environ[environment.HUB])
+from trainer_shim.agent_link import AgentLink
+from trainer_shim.restart import RestartRequested
+
+link = AgentLink(os.environ[environment.HUB])
+link.pace = 0.05  # as after heartbeats 50 ms apart: looked at every 0.1 s
+identity, _ = hub.recv_multipart()  # its hello
+gate = threading.Lock()
+gate.acquire()
+left = threading.Event()
+
+def blocked_in_native_code():  # idle: a lock nobody releases (as a gloo wait)
+    gate.acquire()
+
+def busy_in_native_code():  # a long native step, the GIL released: it uses its CPU
+    hashlib.pbkdf2_hmac("sha256", b"x", b"y", int(sys.argv[2]))
+
+def train(fn):
+    link.enter_training()
+    try:
+        fn()
+    except RestartRequested:
+        pass
+    link.leave_training()
+    left.set()
+
+thread = threading.Thread(target=train, args=(globals()[sys.argv[1]],))
+thread.start()
+time.sleep(0.2)
+hub.send_multipart([identity, pack_local(Abort())])
+deadline = time.monotonic() + 10
+while time.monotonic() < deadline and not left.is_set():
+    if hub.poll(50):
+        msg = unpack_local(hub.recv_multipart()[1])
+        if msg.TYPE == "stuck":
+            print("stuck in", msg.where, flush=True)
+            gate.release()
+print("left" if left.wait(30) else "still inside", flush=True)
+"""
+
+
+def _stuck_or_not(tmp_path, fn: str, rounds: int = 0) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", STUCK_OR_NOT, fn, str(rounds)], cwd=ROOT,
+                          timeout=120, capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                               "FTLAUNCH_HUB": f"ipc://{tmp_path}/hub"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_a_training_thread_idle_in_native_code_after_an_abort_is_reported_stuck(tmp_path):
+    """Blocked where the abort cannot reach it, burning no CPU: the shim says where."""
+    lines = _stuck_or_not(tmp_path, "blocked_in_native_code")
+    assert lines[0].startswith("stuck in blocked_in_native_code (<string>:"), lines
+    assert lines[-1] == "left", lines
+
+
+def test_a_training_thread_busy_in_native_code_is_left_to_finish(tmp_path):
+    """A long native step uses its CPU: no report; the abort lands when the step returns."""
+    lines = _stuck_or_not(tmp_path, "busy_in_native_code", rounds=3_000_000)  # ~1 s
+    assert lines == ["left"], lines

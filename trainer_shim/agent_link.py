@@ -46,6 +46,7 @@ in native code burning (almost) no CPU before it is reported stuck: an abort is 
 between two Python instructions, and a gloo collective waiting for a rank that failed never
 returns (its peer's process lives on, parked, and gloo has no abort). A GPU step's host thread
 also waits idle, but not for longer than the step."""
+STUCK_AFTER_UNPACED = 1.0  # without heartbeats the step's length is unknown
 
 
 class AgentLink:
@@ -55,6 +56,7 @@ class AgentLink:
         self._beats = self._connect()
         self._resume: queue.Queue[dict[str, str]] = queue.Queue()
         self._training_thread: int | None = None  # the thread in the training function
+        self._training_tid = 0  # and its kernel id
         self._in_training = False
         self._aborted = False  # an abort was raised in it since it entered
         self._abort_lock = threading.Lock()
@@ -111,6 +113,7 @@ class AgentLink:
         """From the thread that runs the training function: an abort is raised in it."""
         with self._abort_lock:
             self._training_thread, self._in_training = threading.get_ident(), True
+            self._training_tid = threading.get_native_id()
 
     def leave_training(self) -> None:
         """From the training thread: from now on an abort is ignored, and one already
@@ -174,7 +177,7 @@ class AgentLink:
                             self._watch = self._next_watch()
 
     def _window(self) -> float:
-        return max(STUCK_AFTER, 2 * self.pace)
+        return max(STUCK_AFTER, 2 * self.pace) if self.pace else STUCK_AFTER_UNPACED
 
     def _next_watch(self) -> tuple[float, float] | None:
         """(when to look again, the training thread's CPU seconds now)."""
@@ -186,8 +189,9 @@ class AgentLink:
 
     def _check_stuck(self) -> None:
         """The training thread was told to leave a window ago: if it has neither left nor
-        used a tenth of the window's CPU since, it waits in native code for something that
-        will not come; the agent replaces the rank instead of waiting out --stop-timeout."""
+        used a tenth of the window's CPU since, and sleeps (not merely starved of CPU), it
+        waits in native code for something that will not come; the agent replaces the rank
+        instead of waiting out --stop-timeout."""
         with self._abort_lock:
             assert self._watch is not None
             _, cpu = self._watch
@@ -195,14 +199,24 @@ class AgentLink:
                 self._watch = None
                 return
             self._watch = self._next_watch()
-            if self._watch is None or self._watch[1] - cpu > self._window() / 10:
-                return  # busy (a long native step): it leaves at its end
+            if self._watch is None or self._watch[1] - cpu > self._window() / 10 \
+                    or _state(self._training_tid) != "S":
+                return  # busy (a long native step) or runnable: it leaves at its end
             self._watch = None
             frame = sys._current_frames().get(self._training_thread or 0)
             where = "" if frame is None else f"{frame.f_code.co_name} (" \
                 f"{'/'.join(frame.f_code.co_filename.split('/')[-2:])}:{frame.f_lineno})"
         with contextlib.suppress(zmq.Again):
             self._commands.send(pack_local(Stuck(pid=self.pid, where=where)), zmq.NOBLOCK)
+
+
+def _state(tid: int) -> str:
+    """A thread's scheduling state (R running or runnable, S sleeping, D in I/O...)."""
+    try:
+        with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0].decode()
+    except (OSError, IndexError):
+        return "?"
 
 
 def raise_in(thread_id: int | None, exc: type[BaseException]) -> None:
