@@ -138,12 +138,27 @@ def launch(tmp_path, launcher_env):
 
     def _launch(*args: str, env: dict[str, str] | None = None,
                 prefix: tuple[str, ...] = ()) -> Launch:
-        run = Launch(list(args), tmp_path, {**launcher_env, **(env or {})}, prefix)
+        run = Launch(without_torch_preload(list(args), tmp_path), tmp_path,
+                     {**launcher_env, **(env or {})}, prefix)
         started.append(run)
         return run
 
     yield _launch
     kill_unfinished(started)
+
+
+def without_torch_preload(args: list[str], cwd: Path) -> list[str]:
+    """A script that never mentions torch runs with ``--preload=``: its ranks would not
+    import torch, yet they wait for the rank template to (3 s of a 2-core machine a launch,
+    against 0.4 s in all). Left as given when the launch names its own --preload."""
+    if any(a.startswith("--preload") for a in args):
+        return args
+    script = next((a for a in args if a.endswith(".py")), None)
+    path = Path(cwd, script) if script else None
+    if path is None or not path.is_file() or "torch" in path.read_text():
+        return args
+    at = args.index(script)  # type: ignore[arg-type]
+    return [*args[:at], "--preload=", *args[at:]]
 
 
 def kill_unfinished(runs: list[Launch]) -> None:
