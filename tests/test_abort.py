@@ -110,3 +110,59 @@ def test_a_training_thread_busy_in_native_code_is_left_to_finish(tmp_path):
     """A long native step uses its CPU: no report; the abort lands when the step returns."""
     lines = _stuck_or_not(tmp_path, "busy_in_native_code", rounds=3_000_000)  # ~1 s
     assert lines == ["left"], lines
+
+
+RELEASE_WITH_WORK_PENDING = """\
+import os, sys, threading, time
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+import trainer_shim
+
+def init(port, rank):
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+
+def worker(rank, ports, released):
+    init(ports[0], rank)
+    if rank == 1:  # a collective its peer never joins: pending when the rank parks
+        dist.all_reduce(torch.ones(4), async_op=True)
+        release = threading.Thread(target=trainer_shim._release_process_group, daemon=True)
+        release.start()
+        release.join(20)
+        print("released" if not release.is_alive() else "still releasing", flush=True)
+        released.set()
+    else:
+        released.wait(60)  # then its own (nothing pending): the old connections close
+        trainer_shim._release_process_group()
+    assert not dist.is_initialized()
+    init(ports[1], rank)  # the next attempt's group, in the same process
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    print(f"rank {rank} all-reduced {x.item():g} in the next group", flush=True)
+    os._exit(0)  # not what is tested: a bare script's exit with gloo groups alive may abort
+
+if __name__ == "__main__":
+    import socket
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    context = mp.get_context("spawn")
+    mp.spawn(worker, args=(ports, context.Event()), nprocs=2)
+"""
+
+
+def test_a_parked_rank_lets_go_of_a_group_whose_pending_work_will_never_finish(tmp_path):
+    """A survivor parks with a collective still pending that its peers will not join:
+    destroy_process_group would wait for it for ever, and so would gloo's destructor after an
+    abort (it joins the group's threads). The rank goes on at once, and re-enters: the next
+    attempt's group works in the same process."""
+    script = tmp_path / "release.py"
+    script.write_text(RELEASE_WITH_WORK_PENDING)
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, timeout=120,
+                          capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = sorted(done.stdout.splitlines())
+    assert lines == ["rank 0 all-reduced 2 in the next group",
+                     "rank 1 all-reduced 2 in the next group", "released"], done.stdout

@@ -21,6 +21,7 @@ import functools
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -224,11 +225,26 @@ def _wait_resume() -> dict[str, str]:
 
 
 def _release_process_group() -> None:
-    """Drop torch.distributed's state so the next entry can init_process_group again."""
+    """Drop torch.distributed's state so the next entry can init_process_group again,
+    without waiting on the old groups: destroy_process_group first waits for their pending
+    work, and even after an abort gloo's destructor joins a group's threads. With a peer
+    lost in the middle of a collective, a survivor's pending work can wait on another
+    survivor waiting the same way (torchtitan met that deadlock at exit): the rank would
+    have said it parked and never resume. So the registry is cleared by an abort, here,
+    and the groups' last references are dropped in a daemon thread: a work that can never
+    finish keeps that thread, not the rank (it ends when its peers' connections close)."""
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    c10d = dist.distributed_c10d
+    abort = getattr(c10d, "_abort_process_group", None)  # torch >= 2.5
+    groups = list(c10d._world.pg_names)  # held until the thread below lets go of them
+    with contextlib.suppress(Exception):
+        (abort or dist.destroy_process_group)()
+    if dist.is_initialized():  # the abort failed
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+    threading.Thread(target=groups.clear, name="ftlaunch-release-groups", daemon=True).start()
 
 
 def __getattr__(name: str):
