@@ -127,6 +127,7 @@ class ControlPlane:
         # heartbeat in flight would hold keepalive off). Not in a small job: 1 s keepalive
         # probes, unlike data, are not retransmitted fast, and lossy links would lose it.
         self._down: set[int] = set()  # which of our two connections (0, 1) closed
+        self._connect_by: float | None = None  # see _take_next
         self.watch = context.socket(zmq.DEALER)
         self.watch.setsockopt(zmq.LINGER, 0)
         keep_alive(self.watch, node_timeout)
@@ -235,6 +236,7 @@ class ControlPlane:
         self.socket.disconnect(self._endpoint)
         self._endpoint = endpoint
         self._down.clear()
+        self._connect_by = None
         self.socket.connect(self._endpoint)
         if self._watching:
             self._watch("")
@@ -269,9 +271,16 @@ class ControlPlane:
         (self.socket, self.monitors[0]), self._next = self._next, None
         self._endpoint, self._next_endpoint = self._next_endpoint, ""
         self._down.discard(0)
+        self._connect_by = None
         if self._watching:
             self._watch("")
         self.on_monitor()
+        if 0 in self._down:
+            # Closed at some point before, and not connected again yet: maybe only a blip
+            # (packet loss, the kernel's timeout) that ZeroMQ is reconnecting after, not the
+            # successor's death. It gets the node timeout to connect.
+            self._down.discard(0)
+            self._connect_by = time.monotonic() + self._node_timeout
 
     def _watch(self, endpoint: str) -> None:
         """The watch connection to ``endpoint`` ("": none for now)."""
@@ -314,6 +323,8 @@ class ControlPlane:
             self._down.add(which)
         else:
             self._down.discard(which)
+            if which == 0:
+                self._connect_by = None
 
     def heartbeat_if_due(self, now: float, epoch: int, phase: str = "",
                          ranks: RankStates = ()) -> None:
@@ -345,7 +356,8 @@ class ControlPlane:
         node came back as the endpoint while the job ran under a successor)."""
         follows_own = self.hosting and self.coordinator_node in ("", self.node_id)
         return not follows_own and self.knows_successors and (
-            self.connection_lost or now - self.last_heard > self._liveness)
+            self.connection_lost or now - self.last_heard > self._liveness
+            or (self._connect_by is not None and now > self._connect_by))
 
     def fail_over(self, epoch: int, restart_count: int, group_world_size: int) -> str | None:
         """Follow the coordinator to its successor (maybe us); returns the successor or None."""
