@@ -373,6 +373,14 @@ class Parked(Body):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Entered(Body):
+    """The training thread entered the training function (again, after a resume)."""
+
+    TYPE = "entered"
+    pid: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class Stuck(Body):
     """Told to leave, the thread running the training function has been blocked in one
     native call since, burning no CPU (a collective waiting for a rank that is gone or
@@ -427,5 +435,5 @@ CONTROL: dict[str, type[Body]] = {m.TYPE: m for m in (
     HeartbeatAck, Assign, Start, Recover, Stop, Redirect, Spare, Committed, InMemory,
     StatusQuery, JobStatus)}
 LOCAL: dict[str, type[Body]] = {m.TYPE: m for m in (
-    Hello, Restartable, Beat, Tick, Leaving, Learned, Section, Parked, Stuck, ShardDurable,
+    Hello, Restartable, Beat, Tick, Leaving, Learned, Section, Parked, Entered, Stuck, ShardDurable,
     ShardStaged, Abort, Resume, Committed)}

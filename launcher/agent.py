@@ -654,7 +654,7 @@ class Agent:
             kept = self.parked.pop(local_rank, None)
             if kept is not None:
                 env = self.workers.resume(kept, attempt)
-                self.hub.track(kept.proc.pid, now)
+                self.hub.track(kept.proc.pid, now, resumed=True)
                 self.hub.send(kept.proc.pid, messages.Resume(env=env))
                 sources["resumed"].append(kept.rank)
                 continue

@@ -19,6 +19,10 @@ LEARN_AFTER_BEATS = 20
 LEARNED_FLOOR = 1.0
 """The shim's own thread ticks this often; silent for FROZEN_AFTER, the process is frozen."""
 FROZEN_AFTER = 4 * TICK_INTERVAL
+RESUME_WITHIN = 10.0
+"""Seconds a parked rank told to resume has to re-enter its training function (it takes
+milliseconds: the order is only read): one that does not never left the park (its old
+process group's release hanging, say), and nothing else would find it."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class RankActivity:
     step: int = -1
     open_sections: dict[str, float] = field(default_factory=dict)
     last_tick: float | None = None  # the shim's thread, not the training thread
+    awaiting_entry: bool = False  # resumed: the training function not entered again yet
 
     def frozen(self, now: float) -> bool:
         """Not even the shim's thread runs: SIGSTOPped, or spinning with the GIL held.
@@ -83,6 +88,8 @@ def hang_reason(activity: RankActivity, timeouts: HangTimeouts, now: float) -> s
     An open section with its own timeout replaces the heartbeat timeout (a long checkpoint
     is not a hang); before the first message only the startup timeout applies.
     """
+    if activity.awaiting_entry and now - activity.started_at > RESUME_WITHIN:
+        return f"not back in its training function {RESUME_WITHIN:g}s after the resume"
     timed = {n: t for n, t in activity.open_sections.items() if n in timeouts.sections}
     if timed:
         for name, opened in timed.items():

@@ -18,6 +18,7 @@ import zmq
 from ftlaunch_contract.messages import (
     Beat,
     Body,
+    Entered,
     Hello,
     Learned,
     Leaving,
@@ -74,11 +75,11 @@ class RankHub:
         self.best_step = -1  # the highest step any rank reported since reset_steps()
         self.best_step_at = 0.0  # when (Unix time) it was first reported
 
-    def track(self, pid: int, now: float, stacks: bool = False) -> None:
+    def track(self, pid: int, now: float, stacks: bool = False, resumed: bool = False) -> None:
         """A rank process started (or resumed): watch it from now on. ``stacks``: it
         already armed the stack-dump signal (a warm-pool process does before its hello)."""
         link = self.links.setdefault(pid, RankLink(RankActivity(now)))
-        link.activity = RankActivity(now)
+        link.activity = RankActivity(now, awaiting_entry=resumed)
         link.parked, link.stuck = False, ""
         link.stacks = link.stacks or stacks
 
@@ -139,6 +140,8 @@ class RankHub:
                     link.pending.clear()
                 case Restartable():
                     link.restartable = True
+                case Entered():
+                    link.activity.awaiting_entry = False
                 case Learned():
                     link.activity.restore(msg.interval)
                 case Leaving():

@@ -83,6 +83,8 @@ deadline = time.monotonic() + 10
 while time.monotonic() < deadline and not left.is_set():
     if hub.poll(50):
         msg = unpack_local(hub.recv_multipart()[1])
+        if msg.TYPE == "entered":
+            print("entered", flush=True)
         if msg.TYPE == "stuck":
             print("stuck in", msg.where, flush=True)
             gate.release()
@@ -102,14 +104,15 @@ def _stuck_or_not(tmp_path, fn: str, rounds: int = 0) -> list[str]:
 def test_a_training_thread_idle_in_native_code_after_an_abort_is_reported_stuck(tmp_path):
     """Blocked where the abort cannot reach it, burning no CPU: the shim says where."""
     lines = _stuck_or_not(tmp_path, "blocked_in_native_code")
-    assert lines[0].startswith("stuck in blocked_in_native_code (<string>:"), lines
+    assert lines[0] == "entered", "the agent hears when the training function is entered"
+    assert lines[1].startswith("stuck in blocked_in_native_code (<string>:"), lines
     assert lines[-1] == "left", lines
 
 
 def test_a_training_thread_busy_in_native_code_is_left_to_finish(tmp_path):
     """A long native step uses its CPU: no report; the abort lands when the step returns."""
     lines = _stuck_or_not(tmp_path, "busy_in_native_code", rounds=3_000_000)  # ~1 s
-    assert lines == ["left"], lines
+    assert lines == ["entered", "left"], lines
 
 
 RELEASE_WITH_WORK_PENDING = """\

@@ -120,7 +120,7 @@ class FakeHub:
         self.best_step, self.best_step_at = -1, 0.0
         self.restartable_from_start = False
 
-    def track(self, pid: int, now: float, stacks: bool = False) -> None:
+    def track(self, pid: int, now: float, stacks: bool = False, resumed: bool = False) -> None:
         link = self.links.setdefault(pid, {"restartable": self.restartable_from_start,
                                            "error": ""})
         link["parked"], link["stuck"] = False, ""

@@ -13,6 +13,7 @@ from ftlaunch_contract.protocol import ProtocolError, pack_local, unpack_local
 from launcher import recovery
 from launcher.hang_detection import (
     LEARN_AFTER_BEATS,
+    RESUME_WITHIN,
     HangTimeouts,
     RankActivity,
     hang_reason,
@@ -32,6 +33,17 @@ def test_startup_timeout_applies_until_the_first_message():
     a.beat(61.0, 0)  # once it speaks, the heartbeat timeout rules
     assert hang_reason(a, T, 70.0) is None
     assert "no heartbeat for 10.5s" in hang_reason(a, T, 71.5)
+
+
+def test_a_resumed_rank_that_does_not_reenter_its_training_function_is_hung():
+    """Whatever the timeouts (none here): re-entering takes milliseconds once resumed."""
+    off = HangTimeouts(heartbeat=0.0, startup=0.0)
+    stuck = RankActivity(started_at=0.0, awaiting_entry=True)
+    assert hang_reason(stuck, off, RESUME_WITHIN - 0.1) is None
+    assert "not back in its training function" in hang_reason(stuck, off, RESUME_WITHIN + 0.1)
+    back = RankActivity(started_at=0.0, awaiting_entry=True)
+    back.awaiting_entry = False  # its shim said it entered
+    assert hang_reason(back, off, 10 * RESUME_WITHIN) is None
 
 
 def test_any_message_is_a_sign_of_life():

@@ -26,6 +26,7 @@ from ftlaunch_contract.messages import (
     Beat,
     Body,
     Committed,
+    Entered,
     Hello,
     Learned,
     Leaving,
@@ -114,6 +115,7 @@ class AgentLink:
         with self._abort_lock:
             self._training_thread, self._in_training = threading.get_ident(), True
             self._training_tid = threading.get_native_id()
+        self.send(Entered(pid=self.pid))
 
     def leave_training(self) -> None:
         """From the training thread: from now on an abort is ignored, and one already
