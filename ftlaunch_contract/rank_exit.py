@@ -75,10 +75,15 @@ def _threads_named(name: str) -> list[str]:
 
 
 def _runnable(tid: str) -> bool:
+    return thread_state(tid) in ("R", "D")
+
+
+def thread_state(tid: int | str) -> str:
+    """A thread of this process, by kernel id: R running or runnable, S sleeping (waiting
+    for something), D in uninterruptible I/O...; "?" if it is gone (or no procfs)."""
     try:
         with open(f"/proc/self/task/{tid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
+            return f.read().rpartition(")")[2].split()[0]
     except (OSError, IndexError):
-        return False
-    return state in ("R", "D")
+        return "?"
 

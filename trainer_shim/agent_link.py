@@ -38,6 +38,7 @@ from ftlaunch_contract.messages import (
     Tick,
 )
 from ftlaunch_contract.protocol import TICK_INTERVAL, pack_local, unpack_local
+from ftlaunch_contract.rank_exit import thread_state
 from ftlaunch_contract.stack_dump import register_stack_dump
 from trainer_shim.restart import RestartRequested
 
@@ -202,7 +203,7 @@ class AgentLink:
                 return
             self._watch = self._next_watch()
             if self._watch is None or self._watch[1] - cpu > self._window() / 10 \
-                    or _state(self._training_tid) != "S":
+                    or thread_state(self._training_tid) != "S":
                 return  # busy (a long native step) or runnable: it leaves at its end
             self._watch = None
             frame = sys._current_frames().get(self._training_thread or 0)
@@ -210,15 +211,6 @@ class AgentLink:
                 f"{'/'.join(frame.f_code.co_filename.split('/')[-2:])}:{frame.f_lineno})"
         with contextlib.suppress(zmq.Again):
             self._commands.send(pack_local(Stuck(pid=self.pid, where=where)), zmq.NOBLOCK)
-
-
-def _state(tid: int) -> str:
-    """A thread's scheduling state (R running or runnable, S sleeping, D in I/O...)."""
-    try:
-        with open(f"/proc/self/task/{tid}/stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0].decode()
-    except (OSError, IndexError):
-        return "?"
 
 
 def raise_in(thread_id: int | None, exc: type[BaseException]) -> None:
