@@ -427,7 +427,8 @@ class Agent:
         """Capture a hung rank's stacks, then kill it: its exit is then a failure like any."""
         if self.workers.killing():
             return  # one we killed is not reaped yet: its peers may be waiting on it
-        for pid, reason in self.hub.hung(now, self.plan.hang_timeouts):
+        other_nodes = self.assignment is not None and self.assignment.group_world_size > 1
+        for pid, reason in self.hub.hung(now, self.plan.hang_timeouts, other_nodes):
             rank, armed = self.workers.by_pid(pid), self.hub.stacks_armed(pid)
             self.hub.forget(pid)
             if rank is None:
@@ -752,8 +753,9 @@ class Agent:
         return tuple(states)
 
     def _survivors(self) -> list[node_policy.Survivor]:
+        now = self.clock()
         return [node_policy.Survivor(r.proc.pid, r.rank, self.hub.restartable(r.proc.pid),
-                                     self.hub.parked(r.proc.pid), self.hub.stuck(r.proc.pid))
+                                     self.hub.parked(r.proc.pid), self.hub.stuck(r.proc.pid, now))
                 for r in self.workers.alive()]
 
     def _ready_to_start(self) -> bool:

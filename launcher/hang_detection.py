@@ -19,6 +19,9 @@ LEARN_AFTER_BEATS = 20
 LEARNED_FLOOR = 1.0
 """The shim's own thread ticks this often; silent for FROZEN_AFTER, the process is frozen."""
 FROZEN_AFTER = 4 * TICK_INTERVAL
+ELSEWHERE_SKEW = 0.5
+"""Seconds by which another node's agent may see the same silence later than we do (its
+checks, the messages between): room for it to blame a frozen culprit of its own first."""
 RESUME_WITHIN = 10.0
 """Seconds a parked rank told to resume has to re-enter its training function (it takes
 milliseconds: the order is only read): one that does not never left the park (its old
@@ -108,14 +111,18 @@ def hang_reason(activity: RankActivity, timeouts: HangTimeouts, now: float) -> s
 
 
 def hung_ranks(watched: Mapping[int, RankActivity], timeouts: HangTimeouts,
-               now: float) -> list[tuple[int, str]]:
+               now: float, other_nodes: bool = False) -> list[tuple[int, str]]:
     """(pid, reason) of the hung ranks among ``watched`` (those that use the shim and are
     not parked), blaming the culprit rather than the peers blocked on it.
 
     A frozen rank (not even the shim's thread runs) is the culprit: the others are most
     likely blocked in a collective on it, and are released when it is killed. A peer
     blocked on it may cross the timeout first (its last heartbeat was throttled away),
-    so while any rank is frozen only frozen ranks are ever blamed."""
+    so while any rank is frozen only frozen ranks are ever blamed. With ``other_nodes``
+    the culprit may be frozen on another node, found frozen there once its ticks are
+    FROZEN_AFTER old: ranks here that still tick are blamed only once that had time to
+    happen (else a SIGSTOPped rank's peers are replaced, and it, unable to park, is
+    waited for until --stop-timeout)."""
     if not any(hang_reason(a, timeouts, now) for a in watched.values()):
         return []
     # Asleep rather than frozen, the culprit looks just like the peers blocked on it,
@@ -126,4 +133,10 @@ def hung_ranks(watched: Mapping[int, RankActivity], timeouts: HangTimeouts,
     frozen = {pid for pid, activity in watched.items() if activity.frozen(now)}
     if frozen:
         return [(pid, reason + " (frozen)") for pid, reason in hung if pid in frozen]
+    if other_nodes:
+        settled = now - FROZEN_AFTER - TICK_INTERVAL - ELSEWHERE_SKEW
+        if not any(hang_reason(watched[pid], timeouts, now - ELSEWHERE_SKEW) and
+                   (watched[pid].last_seen or watched[pid].started_at) < settled
+                   for pid, _ in hung):
+            return []
     return hung

@@ -91,10 +91,16 @@ class RankHub:
         link = self.links.get(pid)
         return link is not None and link.parked
 
-    def stuck(self, pid: int) -> str:
-        """Where a rank told to leave its training function is blocked ("": it is not)."""
+    def stuck(self, pid: int, now: float) -> str:
+        """Where a rank told to leave its training function is blocked ("": it is not).
+        A frozen one (SIGSTOPped, or holding the GIL) cannot even say so, nor leave."""
         link = self.links.get(pid)
-        return link.stuck if link is not None else ""
+        if link is None:
+            return ""
+        if not link.stuck and link.activity.frozen(now):
+            assert link.activity.last_tick is not None
+            return f"a frozen process (no tick for {now - link.activity.last_tick:.1f}s)"
+        return link.stuck
 
     def error(self, pid: int) -> str:
         """The traceback a rank parked with after raising on its own ("" after an abort)."""
@@ -179,11 +185,12 @@ class RankHub:
         else:
             self.socket.send_multipart([link.identity, data])
 
-    def hung(self, now: float, timeouts: HangTimeouts) -> list[tuple[int, str]]:
+    def hung(self, now: float, timeouts: HangTimeouts,
+             other_nodes: bool = False) -> list[tuple[int, str]]:
         """(pid, reason) of the hung ranks among those using the shim and not parked."""
         return hung_ranks({pid: link.activity for pid, link in self.links.items()
                            if link.identity is not None and not link.parked
-                           and not link.leaving}, timeouts, now)
+                           and not link.leaving}, timeouts, now, other_nodes)
 
     def beat_age(self, pid: int, now: float) -> float | None:
         """Seconds since the rank's last heartbeat (None: it never sent one)."""

@@ -825,15 +825,17 @@ def campaign_table(runs: list[tuple[Options, Run, dict]]) -> str:
 
 def recovery_by_fault(run: Run) -> list[tuple[str, float]]:
     """(fault kind, seconds) of the first recovery each fault caused (before the next
-    fault), as its agents timed it (the slowest of them)."""
+    fault), as its agents timed it (the slowest of those whose recovery began after the
+    fault: a node cut off by an earlier partition times its own wait to rejoin)."""
     done = sorted((e["ts"], e["restart_count"], e["seconds"]) for e in run.events
                   if e["event"] == "recovered")
     out = []
     for k, inj in enumerate(run.injected):
         until = run.injected[k + 1].at if k + 1 < len(run.injected) else float("inf")
-        count = next((c for ts, c, _ in done if inj.at < ts < until), None)
+        count = next((c for ts, c, took in done if inj.at < ts - took and ts < until), None)
         if count is not None:
-            out.append((inj.fault.kind, max(took for _, c, took in done if c == count)))
+            out.append((inj.fault.kind, max(took for ts, c, took in done
+                                            if c == count and ts - took > inj.at)))
     return out
 
 

@@ -63,6 +63,10 @@ def test_the_campaign_table_times_each_faults_recovery_by_kind():
              {"ts": T0 + 20.2, "event": "recovered", "restart_count": 2, "seconds": 4.1}]
     run = dataclasses.replace(run, injected=[*run.injected, second], events=run.events + later)
     assert chaos.recovery_by_fault(run) == [("kill", 0.1), ("exception", 4.1)]
+    rejoined = {"ts": T0 + 20.3, "event": "recovered", "restart_count": 2, "seconds": 9.0}
+    assert chaos.recovery_by_fault(dataclasses.replace(run, events=run.events + [
+        rejoined])) == [("kill", 0.1), ("exception", 4.1)], \
+        "a node cut off before the fault timed its wait to rejoin, not this recovery"
     table = chaos.campaign_table([(None, run, chaos.check(run, ref))])
     assert "| exception | 1 | 4.10 / 4.10 |" in table and "| kill | 1 | 0.10 / 0.10 |" in table
 

@@ -207,6 +207,28 @@ def test_the_hang_verdict_blames_the_frozen_rank_else_all_that_fell_silent_toget
     assert [pid for pid, _ in hung_ranks(ranks, timeouts, 5.6)] == [1]
 
 
+def test_ranks_that_still_tick_wait_for_a_culprit_frozen_on_another_node_to_be_found_there():
+    """Chaos (SIGSTOP of one rank, 2 nodes): the other node's ranks, blocked on it, crossed
+    the timeout first and were replaced; the stopped rank could not park and was waited
+    for until --stop-timeout. Its own node finds it frozen once its ticks are 2 s old."""
+    from launcher.hang_detection import RankActivity, hung_ranks
+
+    def waiting(now: float, limit: float, other_nodes: bool) -> list[int]:
+        ranks = {pid: RankActivity(0.0) for pid in (1, 2)}
+        for activity in ranks.values():
+            activity.beat(0.0, 1)
+            activity.last_tick = now  # both still tick: blocked in a collective
+        timeouts = HangTimeouts(heartbeat=limit, startup=0.0)
+        return [pid for pid, _ in hung_ranks(ranks, timeouts, now, other_nodes)]
+
+    assert waiting(1.05, 1.0, other_nodes=False) == [1, 2]  # alone: nobody else to wait for
+    assert waiting(1.05, 1.0, other_nodes=True) == []
+    assert waiting(2.95, 1.0, other_nodes=True) == []  # the culprit is frozen at 2 s + a tick
+    assert waiting(3.05, 1.0, other_nodes=True) == [1, 2]
+    assert waiting(4.3, 4.0, other_nodes=True) == []  # its own node blames it at ~4 s
+    assert waiting(4.55, 4.0, other_nodes=True) == [1, 2]
+
+
 def test_a_checkpoint_step_commits_once_every_rank_holds_it():
     from launcher.commits import CommitLog
 

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -220,6 +221,32 @@ def test_survivor_that_cannot_leave_its_training_function_is_replaced(tmp_path, 
         run.output
     recovered = [e for e in _events(logs) if e["event"] == "recovered"]
     assert recovered[0]["resumed"] == [] and sorted(recovered[0]["forked"]) == [0, 1], run.output
+
+
+def test_a_frozen_survivor_is_replaced_at_once(tmp_path, launch, reference):
+    """Rank 1 is SIGSTOPped (frozen: not even its shim's thread runs, so it can neither
+    leave nor say where it is blocked) when rank 0 dies: the agent replaces it at once, not
+    after --stop-timeout (60 s here). The chaos campaign met it across two nodes: the
+    stopped rank's peers on the other node were blamed first, and it was waited for."""
+    from launcher.hang_detection import FROZEN_AFTER, TICK_INTERVAL
+
+    env = {"TRAIN_FAULT_RANK": "1", "TRAIN_FAULT_STEP": "10", "TRAIN_FAULT_KIND": "stop"}
+    run, out, logs = _run(launch, tmp_path, "--stop-timeout", "60", "--hang-timeout", "60",
+                          env=env)
+    pids = dict(tuple(map(int, run.wait_for(r"start rank (\d) world 2 pid (\d+)").groups()))
+                for _ in range(2))
+    run.wait_for("injecting fault stop rank 1 step 10")
+    deadline = time.monotonic() + 30
+    while psutil.Process(pids[1]).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, run.output
+        time.sleep(0.01)
+    time.sleep(FROZEN_AFTER + TICK_INTERVAL)  # the agent sees it frozen: no tick for this long
+    os.kill(pids[0], signal.SIGKILL)
+    assert run.finish(180) == 0, run.output
+    _check_result(out, reference, 10, run.output)
+    escalated = [e for e in _events(logs) if e["event"] == "escalated"]
+    assert [e["ranks"] for e in escalated] == [[1]], run.output
+    assert escalated[0]["blocked_in"][0].startswith("a frozen process"), run.output
 
 
 def test_a_survivor_waiting_in_a_collective_for_a_rank_that_raised_is_replaced_at_once(
