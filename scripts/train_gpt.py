@@ -21,6 +21,7 @@ or fail in connectFullMesh on stale keys in the shared rendezvous TCPStore
 """
 
 import argparse
+import ctypes
 import hashlib
 import itertools
 import json
@@ -121,9 +122,10 @@ def maybe_inject_fault(rank, step, heartbeat):
         time.sleep(0.02)
     if rank == int(env.get("TRAIN_STUCK_RANK", -1)):
         log(f"stuck rank {rank} step {step}")
-        lock = threading.Lock()
-        lock.acquire()
-        lock.acquire()  # blocks in C: deaf to everything but signals
+        libc = ctypes.CDLL(None)  # a zeroed pthread_mutex_t is a default (non-recursive) one
+        mutex = ctypes.create_string_buffer(64)
+        libc.pthread_mutex_lock(mutex)
+        libc.pthread_mutex_lock(mutex)  # blocks in C, even a signal handler does not end it
     if rank != int(env.get("TRAIN_FAULT_RANK", -1)):
         return
     time.sleep(float(env.get("TRAIN_FAULT_DELAY", 0)))  # its peers wait in a collective

@@ -115,6 +115,44 @@ def test_a_training_thread_busy_in_native_code_is_left_to_finish(tmp_path):
     assert lines == ["entered", "left"], lines
 
 
+ABORT_IN_A_SLEEP = """\
+import os, threading, time
+import zmq
+from ftlaunch_contract import environment
+from ftlaunch_contract.messages import Abort
+from ftlaunch_contract.protocol import pack_local
+
+hub = zmq.Context().socket(zmq.ROUTER)
+hub.bind(os.environ[environment.HUB])
+from trainer_shim.agent_link import AgentLink
+from trainer_shim.restart import RestartRequested
+
+link = AgentLink(os.environ[environment.HUB])
+identity, _ = hub.recv_multipart()  # its hello
+link.enter_training()  # the main thread trains, as a script's loop does
+threading.Timer(0.2, hub.send_multipart, ([identity, pack_local(Abort())],)).start()
+start = time.monotonic()
+try:
+    time.sleep(60)  # the rest of a step: device time, a data loader's queue
+    print("slept it out", flush=True)
+except RestartRequested:
+    print(f"left after {time.monotonic() - start:.0f}s", flush=True)
+link.leave_training()
+"""
+
+
+def test_an_abort_cuts_a_wait_in_the_main_thread_short(tmp_path):
+    """An exception raised in a thread lands only between two Python instructions: a
+    survivor sleeping out its step would park a step late. The shim also signals the main
+    thread, and the abort is raised out of the sleep."""
+    done = subprocess.run([sys.executable, "-c", ABORT_IN_A_SLEEP], cwd=ROOT, timeout=120,
+                          capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                               "FTLAUNCH_HUB": f"ipc://{tmp_path}/hub"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["left after 0s"], done.stdout
+
+
 RELEASE_WITH_WORK_PENDING = """\
 import os, sys, threading, time
 import torch, torch.distributed as dist, torch.multiprocessing as mp

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -49,6 +50,11 @@ between two Python instructions, and a gloo collective waiting for a rank that f
 returns (its peer's process lives on, parked, and gloo has no abort). A GPU step's host thread
 also waits idle, but not for longer than the step."""
 STUCK_AFTER_UNPACED = 1.0  # without heartbeats the step's length is unknown
+INTERRUPT_SIGNAL = signal.SIGRTMIN + 7
+"""Sent to the main thread with an abort when it trains: a wait there in Python (sleep, a
+lock, a queue, a socket) is cut short by it, our empty handler runs, and the abort pending
+in the thread is raised from the handler: the rank leaves at once, not at the wait's end
+(a survivor otherwise finished the step it was in, device time included, before parking)."""
 
 
 class AgentLink:
@@ -59,6 +65,7 @@ class AgentLink:
         self._resume: queue.Queue[dict[str, str]] = queue.Queue()
         self._training_thread: int | None = None  # the thread in the training function
         self._training_tid = 0  # and its kernel id
+        self._interruptible = False  # the main thread trains and our signal handler is set
         self._in_training = False
         self._aborted = False  # an abort was raised in it since it entered
         self._abort_lock = threading.Lock()
@@ -113,9 +120,13 @@ class AgentLink:
 
     def enter_training(self) -> None:
         """From the thread that runs the training function: an abort is raised in it."""
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(INTERRUPT_SIGNAL) in (signal.SIG_DFL, _interrupted):
+            signal.signal(INTERRUPT_SIGNAL, _interrupted)  # never replaces a script's own
         with self._abort_lock:
             self._training_thread, self._in_training = threading.get_ident(), True
             self._training_tid = threading.get_native_id()
+            self._interruptible = main and signal.getsignal(INTERRUPT_SIGNAL) is _interrupted
         self.send(Entered(pid=self.pid))
 
     def leave_training(self) -> None:
@@ -177,6 +188,9 @@ class AgentLink:
                         if self._in_training:
                             self._aborted = True
                             raise_in(self._training_thread, RestartRequested)
+                            if self._interruptible:
+                                signal.pthread_kill(self._training_thread or 0,
+                                                    INTERRUPT_SIGNAL)
                             self._watch = self._next_watch()
 
     def _window(self) -> float:
@@ -211,6 +225,10 @@ class AgentLink:
                 f"{'/'.join(frame.f_code.co_filename.split('/')[-2:])}:{frame.f_lineno})"
         with contextlib.suppress(zmq.Again):
             self._commands.send(pack_local(Stuck(pid=self.pid, where=where)), zmq.NOBLOCK)
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    """Nothing: running it is what delivers the pending abort, out of the wait."""
 
 
 def raise_in(thread_id: int | None, exc: type[BaseException]) -> None:
