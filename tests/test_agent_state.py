@@ -138,7 +138,7 @@ class FakeHub:
     def error(self, pid: int) -> str:
         return self.links.get(pid, {}).get("error", "")
 
-    def stuck(self, pid: int) -> str:
+    def stuck(self, pid: int, now: float) -> str:
         return self.links.get(pid, {}).get("stuck", "")
 
     def stacks_armed(self, pid: int) -> bool:
@@ -158,7 +158,7 @@ class FakeHub:
         elif isinstance(msg, Resume):
             assert self.links[pid]["parked"] is False  # tracked (resumed) first
 
-    def hung(self, now, timeouts) -> list[tuple[int, str]]:
+    def hung(self, now, timeouts, other_nodes=False) -> list[tuple[int, str]]:
         hung, self.hung_next = self.hung_next, []
         return [(pid, reason) for pid, reason in hung if pid in self.links]
 
