@@ -20,14 +20,25 @@ from launcher import UsageError, events, exit_codes, goodput
 @click.option("--json", "as_json", is_flag=True, help="Print the accounts as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
               help="Also draw the run's timeline into this PNG (needs ftlaunch[plot]).")
-def report(log_dir: Path, as_json: bool, plot: Path | None) -> None:
+@click.option("--events", "as_events", is_flag=True,
+              help="Instead, list every node's events in one time order (a post-mortem).")
+@click.option("--routine", is_flag=True,
+              help="With --events: also the per-step and per-save events.")
+def report(log_dir: Path, as_json: bool, plot: Path | None, as_events: bool,
+           routine: bool) -> None:
     """Goodput and lost time by cause of the run(s) logged under LOG_DIR (ftlaunch's
-    --log-dir, or one run's directory in it)."""
+    --log-dir, or one run's directory in it, or several nodes' log dirs under one)."""
     logs = sorted(log_dir.rglob("events.jsonl")) if log_dir.is_dir() else []
     if not logs:
         raise click.ClickException(f"no events.jsonl under {log_dir}: give the --log-dir of "
                                    "a run")  # exit 1: nothing to report, not a usage error
-    loaded = {str(path.parent): events.load(path) for path in logs}
+    loaded = {str(path.parent.relative_to(log_dir)): events.load(path) for path in logs} \
+        if as_events else {str(path.parent): events.load(path) for path in logs}
+    if as_events:
+        from launcher.timeline import merged
+
+        print("\n".join(merged(loaded, routine)))
+        return
     accounts = {where: goodput.account(log) for where, log in loaded.items()}
     if plot is not None:
         from launcher.timeline import plot as draw

@@ -1,17 +1,39 @@
-"""``ftlaunch report LOGDIR --plot timeline.png``: a run's night in one picture.
-
-Steps over time for each node's log (from its ``progress`` events), failures as red lines,
-recoveries as shaded spans (failure to ranks back), committed checkpoints as ticks. Needs
-matplotlib (the optional extra ``ftlaunch[plot]``); drawn off-screen.
+"""A run's night across its nodes: ``ftlaunch report LOGDIR --events`` in words (every
+node's events in one time order: what a post-mortem reads first), ``--plot timeline.png``
+in one picture: steps over time for each node's log (from its ``progress`` events), failures
+as red lines, recoveries as shaded spans (failure to ranks back), committed checkpoints as
+ticks. The picture needs matplotlib (the optional extra ``ftlaunch[plot]``), drawn off-screen.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from launcher import UsageError
+
+ROUTINE = frozenset({"progress", "checkpoint_shard", "shard_copied", "checkpoint_in_memory"})
+"""Kinds logged for every step or save: left out of the merged list unless asked for."""
+
+
+def merged(logs: Mapping[str, Sequence[Mapping[str, Any]]], routine: bool = False) -> list[str]:
+    """One line per event of every log (a name -> its events), in time order, timed from
+    the first: ``SECONDS  NAME  EVENT  field=value ...``."""
+    rows = sorted(((e["ts"], name, e) for name, events in logs.items() for e in events
+                   if routine or e["event"] not in ROUTINE), key=lambda row: row[0])
+    t0 = rows[0][0] if rows else 0.0
+    width = max((len(name) for name in logs), default=0)
+    return [f"{ts - t0:9.3f}  {name:<{width}}  {e['event']}  " + " ".join(
+        f"{k}={_shown(v)}" for k, v in e.items() if k not in ("v", "ts", "event"))
+        for ts, name, e in rows]
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return f"{value:.4g}" if isinstance(value, float) else json.dumps(value)
 
 
 def plot(logs: Mapping[str, Sequence[Mapping[str, Any]]], out: Path) -> None:

@@ -118,6 +118,28 @@ def test_a_real_runs_events_follow_the_schema_and_account_for_its_time(tmp_path,
     assert drawn.returncode == 0, drawn.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "goodput: " in drawn.stdout
+    listed = subprocess.run([sys.executable, "-m", "launcher", "report", "--events",
+                             str(tmp_path / "logs")], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert listed.returncode == 0, listed.stderr
+    order = [line.split()[2] for line in listed.stdout.splitlines()]
+    assert order.index("rank_failed") < order.index("recovered") < order.index("job_finished")
+    assert "progress" not in order, listed.stdout
+
+
+def test_the_merged_timeline_puts_every_nodes_events_in_one_order():
+    from launcher.timeline import merged
+
+    logs = {"node1": [{"v": 1, "ts": 10.0, "event": "started", "world_size": 4},
+                      {"v": 1, "ts": 12.5, "event": "progress", "step": 3},
+                      {"v": 1, "ts": 13.25, "event": "recovered", "seconds": 0.123456,
+                       "phases": {"stop": 0.1}}],
+            "n2": [{"v": 1, "ts": 11.0, "event": "rank_failed", "rank": 2, "cause": "SIGKILL"}]}
+    assert merged(logs) == [
+        "    0.000  node1  started  world_size=4",
+        "    1.000  n2     rank_failed  rank=2 cause=SIGKILL",
+        '    3.250  node1  recovered  seconds=0.1235 phases={"stop": 0.1}']
+    assert len(merged(logs, routine=True)) == 4, "per-step events only when asked for"
 
 
 def test_report_without_a_log_is_a_clear_error(tmp_path):
