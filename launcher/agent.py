@@ -183,7 +183,7 @@ class Agent:
         self.live = getattr(io, "live", None)  # the status line, on a terminal
 
     def begin(self) -> None:
-        self.started_at = self.last_loop = self.clock()
+        self.asking_since = self.last_loop = self.clock()  # for a job to join: join_timeout
         self._send_join()
 
     def _enter(self, phase: Phase, deadline: float | None = None) -> None:
@@ -540,6 +540,18 @@ class Agent:
             return
         group_world_size = self.assignment.group_world_size if self.assignment else 0
         successor = self.control.fail_over(self.epoch, self.restart_count, group_world_size)
+        if successor is None and self.assignment is None:
+            # A spare, and every node it heard would take over is gone (the word naming the
+            # next one may not have reached it: chaos seed 1045, the coordinator's node lost
+            # twice in 0.5 s): it is not in the job, so this is not the job's end. It asks
+            # at the rendezvous endpoint, where whoever runs the job now answers.
+            self.events.emit("coordinator_lost", f"coordinator node {lost} lost and no "
+                             "successor known to this spare: asking at the rendezvous "
+                             "endpoint again", lost=lost, successor="")
+            self.control.back_to_rendezvous()
+            self.asking_since = self.clock()
+            self._send_join()
+            return
         if successor is None:
             self._on_stop(exit_codes.JOB_FAILED, f"coordinator node {lost} lost, no successor")
             return
@@ -612,7 +624,7 @@ class Agent:
             self.control.back_to_rendezvous()
             self._send_join()
         elif self.assignment is None and not self.control.knows_successors \
-                and now - self.started_at > self.plan.join_timeout:  # a spare waits on
+                and now - self.asking_since > self.plan.join_timeout:  # a spare waits on
             self.events.emit("job_failed", f"no rendezvous within {self.plan.join_timeout:g}s at "
                              f"{self.plan.endpoint}; check --rdzv-endpoint and that the other "
                              "nodes are up", exit_code=exit_codes.JOB_FAILED)

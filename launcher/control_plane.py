@@ -297,8 +297,11 @@ class ControlPlane:
             self.connection_lost or now - self.last_heard > self._liveness)
 
     def back_to_rendezvous(self) -> None:
-        """Ask at the rendezvous endpoint again: whoever runs the job now is announced there."""
+        """Ask at the rendezvous endpoint again: whoever runs the job now is announced there
+        (and names who would take over next: what we knew of that is of no use any more)."""
         self.redirected = False
+        self.members = ()
+        self._drop_next()
         self.last_heard = time.monotonic()
         self._reconnect(self._rendezvous)
 

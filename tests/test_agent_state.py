@@ -201,6 +201,10 @@ class FakeControl:
     def redirect_went_silent(self, now: float) -> bool:
         return False
 
+    def back_to_rendezvous(self) -> None:
+        self.knows_successors = False
+        self.asked_again = True
+
     def fail_over(self, epoch: int, restart_count: int, group_world_size: int) -> str | None:
         self.lost = False
         return self.successor
@@ -575,6 +579,28 @@ def test_a_finished_node_that_loses_its_coordinator_ends_with_0():
     machine.agent.on_timers(machine.now)
     assert machine.agent.phase == Phase.DONE and machine.agent.exit_code == exit_codes.OK
     assert machine.control.lost, "no fail-over to a successor"
+
+
+def test_a_spare_that_knows_no_successor_asks_at_the_rendezvous_endpoint_again():
+    """Chaos seed 1045: the coordinator's node was lost twice in 0.5 s, and a spare had not
+    heard who would take over from the first successor. Not in the job, it did not end it
+    (it exited 1): it joins again at the rendezvous endpoint, and waits on as a spare; a
+    member that knows no successor ends (every node that could host the job is gone)."""
+    machine = AgentMachine()
+    assert machine.agent.assignment is None and machine.agent.phase == Phase.JOINING
+    machine.control.lost, machine.control.successor = True, None
+    machine.control.knows_successors = True
+    machine.now += 700  # long after join_timeout (600 s)
+    machine.agent.on_timers(machine.now)
+    assert machine.control.asked_again and machine.agent.phase == Phase.JOINING
+    assert machine.control.sent[-1].TYPE == "join" and machine.agent.exit_code is None
+    machine.now += 1
+    machine.agent.on_timers(machine.now)
+    assert machine.agent.phase == Phase.JOINING, "join_timeout counts from the new question"
+    machine.maybe_running(running=True, restartable=False)
+    machine.control.lost = True
+    machine.agent.on_timers(machine.now)
+    assert machine.agent.phase == Phase.STOPPING
 
 
 def test_a_node_whose_coordinator_died_of_a_bug_leaves_the_job_loudly():
