@@ -240,6 +240,17 @@ def test_failure_from_signal_with_error_file(tmp_path):
     assert f.cause == "was killed by SIGTERM: RuntimeError: boom"
 
 
+@pytest.mark.parametrize("torn", ["", '{"message": {"message": "RuntimeError: bo'])
+def test_a_torn_error_file_is_no_message(tmp_path, torn):
+    """A rank stopped while its ``record`` handler wrote the file leaves it empty or cut
+    short: torchrun's agent died of that (json.JSONDecodeError, BENCHMARKS.md "Goodput");
+    ours reports the exit without a message."""
+    path = tmp_path / "error.json"
+    path.write_text(torn)
+    f = failures.from_returncode(1, 1, 7, -signal.SIGTERM, str(path))
+    assert f.cause == "was killed by SIGTERM" and f.traceback == ""
+
+
 def test_failure_unknown_signal_number(tmp_path):
     f = failures.from_returncode(0, 0, 1, -200, str(tmp_path / "none"))
     assert f.signal == "signal 200"
