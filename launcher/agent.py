@@ -220,6 +220,9 @@ class Agent:
                 self._on_stop(exit_code, reason)
             case messages.Redirect() if self.phase == Phase.JOINING:
                 self._send_join()  # to the coordinator the job now runs under
+            case messages.Redirect(coordinator_node=node):
+                log.info("the job runs under coordinator node %s: joining it once %s ends",
+                         node, self.phase)
             case messages.Spare(coordinator_node=node) if not self.waiting_as_spare:
                 self.waiting_as_spare = True  # the control plane noted whom to follow
                 self.events.emit("spare", f"waiting as a spare: the job runs on its maximum "

@@ -636,8 +636,12 @@ def rejoin_after_heal(job: Job, agent: subprocess.Popen) -> None:
     except EOFError:
         return
     except TimeoutError:
+        from launcher.stacks import capture
+
+        stacks = job.work / "logs" / f"stranded-{agent.pid}.txt"  # where its loop was
         job.stranded.append(f"{job.node_id(agent)} neither re-joined nor left within "
-                            f"{HEAL_WITHIN:g}s of the heal")
+                            f"{HEAL_WITHIN:g}s of the heal; its stacks: "
+                            f"{capture(agent.pid, stacks, 'py-spy', armed=False)}")
         job.killed.add(agent.pid)
         os.killpg(agent.pid, signal.SIGKILL)
         agent.wait()
