@@ -32,13 +32,13 @@ def report(log_dir: Path, as_json: bool, plot: Path | None, as_events: bool,
     if not logs:
         raise click.ClickException(f"no events.jsonl under {log_dir}: give the --log-dir of "
                                    "a run")  # exit 1: nothing to report, not a usage error
-    loaded = {str(path.parent.relative_to(log_dir)): events.load(path) for path in logs} \
-        if as_events else {str(path.parent): events.load(path) for path in logs}
     if as_events:
         from launcher.timeline import merged
 
-        print("\n".join(merged(loaded, routine)))
+        print("\n".join(merged({str(path.parent.relative_to(log_dir)): events.load(path)
+                                for path in logs}, routine)))
         return
+    loaded = {str(path.parent): events.load(path) for path in logs}
     accounts = {where: goodput.account(log) for where, log in loaded.items()}
     if plot is not None:
         from launcher.timeline import plot as draw
