@@ -836,10 +836,9 @@ def recovery_by_fault(run: Run) -> list[tuple[str, float]]:
     out = []
     for k, inj in enumerate(run.injected):
         until = run.injected[k + 1].at if k + 1 < len(run.injected) else float("inf")
-        count = next((c for ts, c, took in done if inj.at < ts - took and ts < until), None)
-        if count is not None:
-            out.append((inj.fault.kind, max(took for ts, c, took in done
-                                            if c == count and ts - took > inj.at)))
+        caused = [(c, took) for ts, c, took in done if inj.at < ts - took and ts < until]
+        if caused:
+            out.append((inj.fault.kind, max(took for c, took in caused if c == caused[0][0])))
     return out
 
 
