@@ -613,6 +613,8 @@ class Agent:
         self.last_loop = now
         if now >= self.control.next_heartbeat:
             self.control.heartbeat_if_due(now, self.epoch, str(self.phase), self._rank_states(now))
+        if (word := self.control.own_redirect()) is not None:
+            self.on_control(word)
         if self.phase in (Phase.STOPPING, Phase.LEAVING, Phase.DONE):
             return
         if (failure := self.control.coordinator_failure) is not None:

@@ -219,11 +219,27 @@ class ControlPlane:
             self._takeover_due = True  # with our next heartbeat: not on the start's path
             if self._watching and self._watch_endpoint != self._endpoint:
                 self._watch(self._endpoint)
-        if isinstance(received.body, Redirect):  # the job runs under a successor: go there
-            self._reconnect(f"tcp://{received.body.addr}:{received.body.port}")
-            self.coordinator_node = received.body.coordinator_node
-            self.redirected = True
+        if isinstance(received.body, Redirect):
+            self._follow(received.body)
         return None if isinstance(received.body, HeartbeatAck) else received
+
+    def _follow(self, redirect: Redirect) -> None:
+        """The job runs under another coordinator: go there."""
+        self._reconnect(f"tcp://{redirect.addr}:{redirect.port}")
+        self.coordinator_node = redirect.coordinator_node
+        self.redirected = True
+
+    def own_redirect(self) -> Envelope | None:
+        """The coordinator we host and follow stood down (see Coordinator.stood_down): its
+        word reached only the agents that had spoken to it, and ours joins it only once its
+        ranks have stopped (a chaos run's healed node then waited at it for good). Taken as
+        received, once: we follow it, and no longer our own."""
+        word = self.coordinator.redirect if self.coordinator is not None else None
+        if word is None or self.coordinator_node != self.node_id:
+            return None
+        assert isinstance(word.body, Redirect)
+        self._follow(word.body)
+        return word
 
     @property
     def connection_lost(self) -> bool:

@@ -243,6 +243,12 @@ class Coordinator:
         node lost), and their joins must not be sent back to the endpoint."""
         return self._announcer is not None and self._state.redirect is not None
 
+    @property
+    def redirect(self) -> Envelope | None:
+        """Once stood down: what it told its agents, as they received it."""
+        s = self._state
+        return Envelope(s.epoch, s.redirect) if self.stood_down and s.redirect else None
+
     def release(self) -> zmq.Socket:
         """Stop serving; the bound socket is the caller's (a standby that may host again)."""
         self._stopping.set()

@@ -201,6 +201,9 @@ class FakeControl:
     def redirect_went_silent(self, now: float) -> bool:
         return False
 
+    def own_redirect(self) -> None:
+        return None
+
     def back_to_rendezvous(self) -> None:
         self.knows_successors = False
         self.asked_again = True

@@ -258,6 +258,64 @@ def test_a_node_that_stood_down_leaves_its_standby_socket_to_the_successor_it_ma
         ctx.destroy(linger=0)
 
 
+def test_an_agent_whose_own_coordinator_stood_down_before_it_spoke_follows_the_redirect():
+    """b is cut off, takes over, and its coordinator learns at the endpoint that the job went
+    on, before b's own agent has said a word to it (its ranks were still stopping: the
+    partition had healed as b took over). The stand-down's word went to no one, and the
+    coordinator serves no more: b's join, sent there once its ranks stopped, went unanswered
+    for good (a chaos run's healed node, stranded). b's agent follows the redirect itself."""
+    from ftlaunch_contract.messages import CONTROL, Redirect, Successor
+    from ftlaunch_contract.protocol import Codec
+
+    ctx = zmq.Context()
+    codec = Codec(SECRET)
+    endpoint = ctx.socket(zmq.ROUTER)  # the job's coordinator, a raw socket: what b says
+    endpoint.setsockopt(zmq.LINGER, 0)
+    endpoint_port = endpoint.bind_to_random_port("tcp://127.0.0.1")
+    b = ControlPlane(ctx, SECRET, "b", "127.0.0.1", ("127.0.0.1", endpoint_port),
+                     lambda: _takeover_state({}), NODE_TIMEOUT, 0.5)
+
+    def heard() -> object:
+        assert endpoint.poll(5000), "nothing from b at the endpoint"
+        frames = endpoint.recv_multipart()
+        return frames[0], codec.decode(frames[1:])
+
+    try:
+        b.send(CONTROL["heartbeat"](node_id="b", phase="", ranks=()), 5)
+        identity, _ = heard()
+        endpoint.send_multipart([identity, *codec.encode(CONTROL["assign"](
+            group_rank=1, group_world_size=2, rank_offset=1, world_size=2, restart_count=0,
+            max_restarts=3, members=(Successor("a", "127.0.0.1", 1),
+                                     Successor("b", "127.0.0.1", b.standby_port)),
+            coordinator_node="a", replicate_to=(), fetch=()), 5)])
+        assert b.socket.poll(5000) and b.receive() is not None and b.knows_successors
+        assert b.fail_over(5, 0, 2) == "b" and b.hosting  # cut off: b takes over
+        assert b.own_redirect() is None, "its coordinator has not stood down"
+        while True:  # its coordinator announces itself; the job runs here: stand down
+            announcer, announced = heard()
+            if isinstance(announced.body, Redirect):
+                break
+        endpoint.send_multipart([announcer, *codec.encode(
+            Redirect(coordinator_node="a", addr="", port=0), 6)])
+        deadline = time.monotonic() + 5
+        while (word := b.own_redirect()) is None:  # the coordinator's thread: no event to
+            assert time.monotonic() < deadline, "b's coordinator did not stand down"
+            time.sleep(0.01)  # wait on
+        assert word.body == Redirect(coordinator_node="a", addr="127.0.0.1", port=endpoint_port)
+        assert b.endpoint == f"tcp://127.0.0.1:{endpoint_port}" and b.coordinator_node == "a"
+        assert b.own_redirect() is None, "taken once"
+        b.send(CONTROL["join"](node_id="b", local_world_size=1, addr="127.0.0.1",
+                               standby_port=b.standby_port, rank_hint=-1, replica_port=0,
+                               held=(), restart_count=1, seated_epoch=5), word.epoch)
+        while not isinstance((message := heard()[1]).body, CONTROL["join"]):
+            pass  # its announcements, until the stand-down took effect
+        assert message.body.node_id == "b", "b's join reaches the job's coordinator"
+    finally:
+        b.close()
+        endpoint.close()
+        ctx.destroy(linger=0)
+
+
 def test_a_sockets_connection_monitor_can_be_started_again_at_once():
     """libzmq tears a stopped monitor's endpoint down asynchronously: pyzmq's default one,
     named after the socket, was refused as 'Address already in use' when the next monitor of
