@@ -23,6 +23,7 @@ from ftlaunch_contract.messages import (
     Body,
     Heartbeat,
     HeartbeatAck,
+    Join,
     RankStates,
     Redirect,
     Spare,
@@ -127,7 +128,10 @@ class ControlPlane:
         # heartbeat in flight would hold keepalive off). Not in a small job: 1 s keepalive
         # probes, unlike data, are not retransmitted fast, and lossy links would lose it.
         self._down: set[int] = set()  # which of our two connections (0, 1) closed
-        self._connect_by: float | None = None  # see _take_next
+        self._connect_by: float | None = None  # a successor's connection closed: see _unheard
+        self._unheard = False  # we follow a successor that has not answered yet
+        self._join: tuple[Join, int] | None = None  # sent on this connection, maybe lost
+        self._join_lost: tuple[Join, int] | None = None  # ...with a connection that closed
         self.watch = context.socket(zmq.DEALER)
         self.watch.setsockopt(zmq.LINGER, 0)
         keep_alive(self.watch, node_timeout)
@@ -204,6 +208,8 @@ class ControlPlane:
 
     def send(self, msg: Body, epoch: int) -> None:
         self.socket.send_multipart(self.codec.encode(msg, epoch))
+        if isinstance(msg, Join):
+            self._join = (msg, epoch)
 
     def receive(self) -> Envelope | None:
         """The next coordinator message, or None for heartbeat acks and dropped messages."""
@@ -213,6 +219,7 @@ class ControlPlane:
             log.warning("dropped control message: %s", e)
             return None
         self.last_heard = time.monotonic()
+        self._unheard = False
         if isinstance(received.body, (Assign, Spare)):
             self.members = received.body.members
             self.coordinator_node = received.body.coordinator_node
@@ -252,7 +259,7 @@ class ControlPlane:
         self.socket.disconnect(self._endpoint)
         self._endpoint = endpoint
         self._down.clear()
-        self._connect_by = None
+        self._connect_by, self._join, self._join_lost = None, None, None
         self.socket.connect(self._endpoint)
         if self._watching:
             self._watch("")
@@ -287,16 +294,10 @@ class ControlPlane:
         (self.socket, self.monitors[0]), self._next = self._next, None
         self._endpoint, self._next_endpoint = self._next_endpoint, ""
         self._down.discard(0)
-        self._connect_by = None
+        self._connect_by, self._join, self._join_lost = None, None, None
         if self._watching:
             self._watch("")
         self.on_monitor()
-        if 0 in self._down:
-            # Closed at some point before, and not connected again yet: maybe only a blip
-            # (packet loss, the kernel's timeout) that ZeroMQ is reconnecting after, not the
-            # successor's death. It gets the node timeout to connect.
-            self._down.discard(0)
-            self._connect_by = time.monotonic() + self._node_timeout
 
     def _watch(self, endpoint: str) -> None:
         """The watch connection to ``endpoint`` ("": none for now)."""
@@ -315,7 +316,7 @@ class ControlPlane:
     def back_to_rendezvous(self) -> None:
         """Ask at the rendezvous endpoint again: whoever runs the job now is announced there
         (and names who would take over next: what we knew of that is of no use any more)."""
-        self.redirected = False
+        self.redirected, self._unheard = False, False
         self.members = ()
         self._drop_next()
         self.last_heard = time.monotonic()
@@ -338,12 +339,22 @@ class ControlPlane:
             # reconnects; if the coordinator is gone meanwhile, its silence says so.
             log.info("connection to the coordinator closed while this agent was frozen")
             return
-        if lost:
+        if lost and which == 0 and self._unheard:
+            # The successor's connection, closed before it said a word: maybe not its death
+            # but a blip (loss, the successor's kernel timing the idle connection out, the
+            # word of which was lost: our join then met a reset). ZeroMQ reconnects; the
+            # successor gets the node timeout to be reached, and our join goes out again.
+            self._connect_by = self._connect_by or time.monotonic() + self._node_timeout
+            self._join_lost = self._join
+        elif lost:
             self._down.add(which)
         else:
             self._down.discard(which)
             if which == 0:
                 self._connect_by = None
+                if self._join_lost is not None and self._unheard:
+                    self.send(*self._join_lost)
+                self._join_lost = None
 
     def heartbeat_if_due(self, now: float, epoch: int, phase: str = "",
                          ranks: RankStates = ()) -> None:
@@ -406,6 +417,7 @@ class ControlPlane:
             self._host(self.standby, state, takeover=f"coordinator node {self.coordinator_node} lost")
             self.standby = None
         endpoint = f"tcp://{entry.addr}:{entry.standby_port}"
+        self._unheard = True
         if endpoint == self._next_endpoint:
             self._take_next()
         else:

@@ -198,6 +198,93 @@ def test_an_agent_finds_its_coordinators_silent_machine_within_the_node_timeout_
         "not counted from the last message's sending"
 
 
+@needs_iptables
+def test_a_followers_idle_connection_to_the_successor_timed_out_unseen_is_not_its_loss():
+    """A follower's connection to the successor's standby carries nothing until a takeover.
+    Silent for a while (a lossy link), the successor's kernel timed it out (keepalive), and
+    its word of that was lost too: the follower's end still looked open. At the takeover the
+    follower's join went out on it and was answered by a reset: the follower took the
+    successor for lost at once and, a spare knowing no other, left the job to fail (chaos seed
+    1149: 25 % loss on the successor's node, then the coordinator's node killed). It now gives
+    the successor the node timeout to be reached again, and its join goes out once it is."""
+    import socket as sockets
+
+    from ftlaunch_contract.messages import CONTROL, Assign
+
+    with sockets.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def two() -> JobState:
+        return JobState(min_nodes=1, max_nodes=2, max_restarts=3, policy="rank", backoff=0.0,
+                        backoff_max=0.0, exit_barrier_timeout=5.0, node_timeout=NODE_TIMEOUT,
+                        last_call=0.2, join_timeout=10.0, host_node="")
+
+    def join(plane: ControlPlane, epoch: int, seated: int) -> None:
+        plane.send(CONTROL["join"](node_id=plane.node_id, local_world_size=1, addr=plane.addr,
+                                   standby_port=plane.standby_port, rank_hint=-1,
+                                   replica_port=0, held=(), restart_count=0,
+                                   seated_epoch=seated), epoch)
+
+    def assigned(plane: ControlPlane, after: int, lost_check: bool = False) -> int:
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            plane.on_monitor()
+            assert not (lost_check and plane.coordinator_lost(time.monotonic())), \
+                "the successor taken for lost"
+            if plane.socket.poll(20):
+                received = plane.receive()
+                if received is not None and isinstance(received.body, Assign) \
+                        and received.epoch > after:
+                    return received.epoch
+        raise AssertionError(f"{plane.node_id} got no assign")
+
+    def accepted(port: int) -> int:
+        return len([c for c in psutil.Process().net_connections("tcp")
+                    if c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED])
+
+    ctx = zmq.Context()
+    a, b = (ControlPlane(ctx, SECRET, f"node-{n}:1", "127.0.0.1", ("127.0.0.1", port), two,
+                         NODE_TIMEOUT, 0.2) for n in "ab")
+    try:
+        join(a, 0, -1)
+        join(b, 0, -1)
+        epoch = assigned(a, 0)
+        assert assigned(b, 0) == epoch
+        for plane in (a, b):
+            plane.heartbeat_if_due(plane.next_heartbeat, epoch)
+        end = time.monotonic() + 10
+        while accepted(b.standby_port) < 2:  # a's and b's own, to b's standby
+            assert time.monotonic() < end, "no connections to the successor's standby"
+            time.sleep(0.02)
+        rules = _silence([b.standby_port])
+        try:
+            end = time.monotonic() + NODE_TIMEOUT + 6
+            while accepted(b.standby_port):
+                assert time.monotonic() < end, "the successor's kernel kept the connections"
+                time.sleep(0.05)
+        finally:
+            _unsilence(rules)
+        dying, a.coordinator = a.coordinator, None
+        dying.close()  # node a's coordinator dies; a's agent follows b
+        end = time.monotonic() + 10
+        while not (a.on_monitor(), a.coordinator_lost(time.monotonic()))[1]:
+            assert time.monotonic() < end, "node a does not see its coordinator's end"
+            time.sleep(0.01)
+        assert a.fail_over(epoch, 0, 2) == "node-b:1"
+        while not (b.on_monitor(), b.coordinator_lost(time.monotonic()))[1]:
+            assert time.monotonic() < end, "node b does not see its coordinator's end"
+            time.sleep(0.01)
+        assert b.fail_over(epoch, 0, 2) == "node-b:1" and b.hosting
+        join(a, epoch, epoch)  # on a connection b's end no longer knows: a reset answers
+        join(b, epoch, epoch)
+        assert assigned(a, epoch, lost_check=True) > epoch, "a reaches its successor"
+    finally:
+        b.close()
+        a.close()
+        ctx.destroy(linger=0)
+
+
 def _takeover_state(group_ranks: dict[str, int]) -> JobState:
     state = JobState(min_nodes=1, max_nodes=2, max_restarts=3, policy="rank", backoff=0.0,
                      backoff_max=0.0, exit_barrier_timeout=5.0, node_timeout=NODE_TIMEOUT,
