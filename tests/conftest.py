@@ -6,11 +6,13 @@ import contextlib
 import os
 import queue
 import re
+import shutil
 import subprocess
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -80,6 +82,25 @@ class Launch:
     @property
     def output(self) -> str:
         return "\n".join(self.lines)
+
+
+needs_iptables = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("iptables") is None,
+                                    reason="silencing a connection needs root and iptables")
+
+
+@contextlib.contextmanager
+def silenced(ports: list[int]) -> Iterator[None]:
+    """Nothing in or out of these local TCP ports (loopback: as if the machine behind them
+    were gone), until the block ends."""
+    rules = [["-p", "tcp", flag, str(port), "-j", "DROP"] for port in ports
+             for flag in ("--sport", "--dport")]
+    for rule in rules:
+        subprocess.run(["iptables", "-I", "INPUT", *rule], check=True)
+    try:
+        yield
+    finally:
+        for rule in rules:
+            subprocess.run(["iptables", "-D", "INPUT", *rule])
 
 
 def tagged_processes(tag: str) -> list[psutil.Process]:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import psutil
 import pytest
 import zmq
+from conftest import needs_iptables, silenced
 
 from ftlaunch_contract.messages import Assign, Join
 from launcher.control_plane import ControlPlane
@@ -32,11 +33,15 @@ def _join(plane: ControlPlane, epoch: int, seated: int) -> None:
                     restart_count=0, seated_epoch=seated), epoch)
 
 
-def _assigned(plane: ControlPlane, after: int) -> int:
-    """Read ``plane`` until an assign of an epoch past ``after``; its epoch."""
+def _assigned(plane: ControlPlane, after: int, never_lost: bool = False) -> int:
+    """Read ``plane`` until an assign of an epoch past ``after``; its epoch. ``never_lost``:
+    meanwhile, its connection events taken as they come, its coordinator never lost."""
     end = time.monotonic() + 10
     while time.monotonic() < end:
-        if plane.socket.poll(50):
+        if never_lost:
+            plane.on_monitor()
+            assert not plane.coordinator_lost(time.monotonic()), "the successor taken for lost"
+        if plane.socket.poll(20 if never_lost else 50):
             received = plane.receive()
             if received is not None and isinstance(received.body, Assign) \
                     and received.epoch > after:
@@ -156,3 +161,58 @@ def test_a_follower_whose_connection_to_the_successor_blinked_waits_for_it(comes
         for plane in planes:
             plane.close()
         ctx.term()
+
+
+@needs_iptables
+def test_a_followers_idle_connection_to_the_successor_timed_out_unseen_is_not_its_loss():
+    """A follower's connection to the successor's standby carries nothing until a takeover.
+    Silent for a while (a lossy link), the successor's kernel timed it out (keepalive), and
+    its word of that was lost too: the follower's end still looked open. At the takeover the
+    follower's join went out on it and was answered by a reset: the follower took the
+    successor for lost at once and, a spare knowing no other, left the job to fail (chaos seed
+    1149: 25 % loss on the successor's node, then the coordinator's node killed). It now gives
+    the successor the node timeout to be reached again, and its join goes out once it is."""
+    node_timeout = 2.0  # the kernel times the idle connections out ~3 s into the silence
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def two() -> JobState:
+        state = _state()
+        state.node_timeout = node_timeout
+        return state
+
+    def accepted(port: int) -> int:
+        return len([c for c in psutil.Process().net_connections("tcp")
+                    if c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED])
+
+    ctx = zmq.Context()
+    a, b = (ControlPlane(ctx, SECRET, f"node-{n}:1", "127.0.0.1", ("127.0.0.1", port), two,
+                         node_timeout, 0.2) for n in "ab")
+    try:
+        _join(a, 0, -1)
+        _join(b, 0, -1)
+        epoch = _assigned(a, 0)
+        assert _assigned(b, 0) == epoch
+        for plane in (a, b):
+            plane.heartbeat_if_due(plane.next_heartbeat, epoch)
+        _until(lambda: accepted(b.standby_port) == 2, "a's and b's own connect to b's standby")
+        with silenced([b.standby_port]):
+            end = time.monotonic() + node_timeout + 6
+            while accepted(b.standby_port):
+                assert time.monotonic() < end, "the successor's kernel kept the connections"
+                time.sleep(0.05)
+        dying, a.coordinator = a.coordinator, None
+        dying.close()  # node a's coordinator dies; a's agent follows b
+        for plane in (a, b):
+            _until(lambda p=plane: (p.on_monitor(), p.coordinator_lost(time.monotonic()))[1],
+                   f"{plane.node_id} sees its coordinator's end")
+            assert plane.fail_over(epoch, 0, 2) == "node-b:1"
+        assert b.hosting
+        _join(a, epoch, epoch)  # on a connection b's end no longer knows: a reset answers
+        _join(b, epoch, epoch)
+        assert _assigned(a, epoch, never_lost=True) > epoch, "a reaches its successor"
+    finally:
+        b.close()
+        a.close()
+        ctx.destroy(linger=0)
