@@ -113,7 +113,7 @@ class ControlPlane:
         self.members: Successors = ()  # by group rank: who would take over the coordinator
         self.coordinator_node = ""
         self.redirected = False  # we follow a redirect and have not been assigned since
-        self._lost: set[str] = set()
+        self._lost: set[str] = set()  # coordinators we failed over from, since members came
         if endpoint is None:  # single node: our own coordinator on a free local port
             self._host(self.standby, self.new_state_for_host())
             endpoint = (addr, self.standby_port)
@@ -221,7 +221,10 @@ class ControlPlane:
         self.last_heard = time.monotonic()
         self._unheard = False
         if isinstance(received.body, (Assign, Spare)):
-            self.members = received.body.members
+            # The job's word on who would take over: what we took for lost before (cut off
+            # by a partition: everyone) is not (chaos seeds 1301, 1306: a healed spare
+            # passed over the live successor and, finding none, failed).
+            self.members, self._lost = received.body.members, set()
             self.coordinator_node = received.body.coordinator_node
             self._takeover_due = True  # with our next heartbeat: not on the start's path
             if self._watching and self._watch_endpoint != self._endpoint:

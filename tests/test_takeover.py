@@ -216,3 +216,47 @@ def test_a_followers_idle_connection_to_the_successor_timed_out_unseen_is_not_it
         b.close()
         a.close()
         ctx.destroy(linger=0)
+
+
+def test_a_healed_node_forgets_the_coordinators_it_took_for_lost_once_the_job_speaks():
+    """Cut off, node b took the coordinator a and then every successor (c) for lost. Healed,
+    it waits as a spare: the job went on under a, c still its successor. When a is lost for
+    real, b follows c, not the next one it had not written off (d), which no one follows
+    (chaos seeds 1301 and 1306: the healed spare followed a node that never took over, found
+    it silent, knew no other and failed)."""
+    from ftlaunch_contract.messages import CONTROL, Successor
+    from ftlaunch_contract.protocol import Codec
+
+    ctx = zmq.Context()
+    codec = Codec(SECRET)
+    job = ctx.socket(zmq.ROUTER)  # every coordinator and standby of the job, as one socket
+    job.setsockopt(zmq.LINGER, 0)
+    port = job.bind_to_random_port("tcp://127.0.0.1")
+    b = ControlPlane(ctx, SECRET, "b", "127.0.0.1", ("127.0.0.1", port), _state,
+                     NODE_TIMEOUT, 0.5)
+
+    def tell(msg) -> None:
+        b.send(CONTROL["heartbeat"](node_id="b", phase="", ranks=()), 1)
+        assert job.poll(5000), "nothing from b"
+        identity = job.recv_multipart()[0]
+        job.send_multipart([identity, *codec.encode(msg, 1)])
+        end = time.monotonic() + 5
+        while not (b.socket.poll(20) and b.receive() is not None):
+            assert time.monotonic() < end, "b heard nothing"
+
+    members = tuple(Successor(n, "127.0.0.1", port) for n in "acd") + (
+        Successor("b", "127.0.0.1", b.standby_port),)
+    try:
+        tell(CONTROL["assign"](group_rank=3, group_world_size=4, rank_offset=3, world_size=4,
+                               restart_count=0, max_restarts=3, members=members,
+                               coordinator_node="a", replicate_to=(), fetch=()))
+        assert b.fail_over(1, 0, 4) == "c"  # cut off: a silent, then c
+        assert b.fail_over(1, 0, 4) == "d"
+        b.back_to_rendezvous()  # (healed: the job runs under a, which answers)
+        tell(CONTROL["spare"](members=members, coordinator_node="a"))
+        assert b.coordinator_node == "a"
+        assert b.fail_over(1, 0, 4) == "c", "a lost for real: its successor is c"
+    finally:
+        b.close()
+        job.close()
+        ctx.destroy(linger=0)
