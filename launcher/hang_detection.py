@@ -100,13 +100,15 @@ def hang_reason(activity: RankActivity, timeouts: HangTimeouts, now: float) -> s
                 return (f"section {name!r} open for {now - opened:.1f}s "
                         f"(timeout {timeouts.sections[name]:g}s)")
         return None
-    if activity.last_seen is None:
+    if activity.last_seen is None and not activity.frozen(now):
         if timeouts.startup > 0 and now - activity.started_at > timeouts.startup:
             return f"no heartbeat within the startup timeout ({timeouts.startup:g}s)"
         return None
+    # Frozen before its first word (SIGSTOPped as it resumed, say), a rank is not starting up.
+    silent_since = activity.started_at if activity.last_seen is None else activity.last_seen
     limit = heartbeat_timeout(activity, timeouts)
-    if limit > 0 and now - activity.last_seen > limit:
-        return f"no heartbeat for {now - activity.last_seen:.1f}s (timeout {limit:g}s)"
+    if limit > 0 and now - silent_since > limit:
+        return f"no heartbeat for {now - silent_since:.1f}s (timeout {limit:g}s)"
     return None
 
 

@@ -79,7 +79,10 @@ class RankHub:
         """A rank process started (or resumed): watch it from now on. ``stacks``: it
         already armed the stack-dump signal (a warm-pool process does before its hello)."""
         link = self.links.setdefault(pid, RankLink(RankActivity(now)))
-        link.activity = RankActivity(now, awaiting_entry=resumed)
+        # The process's last tick stands: frozen right after a resume, before its next tick,
+        # it must still be found frozen (else its peers, blocked on it, are blamed instead).
+        link.activity = RankActivity(now, awaiting_entry=resumed,
+                                     last_tick=link.activity.last_tick)
         link.parked, link.stuck = False, ""
         link.stacks = link.stacks or stacks
 

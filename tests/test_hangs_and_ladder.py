@@ -284,3 +284,48 @@ def test_parked_ranks_are_reported_with_their_error_and_step(tmp_path):
     finally:
         hub.close()
         context.destroy(linger=0)
+
+
+def test_a_rank_frozen_right_after_its_resume_is_still_found_frozen(tmp_path):
+    """Chaos (3 nodes, seeds 1316 and 1322): a rank SIGSTOPped within half a second of
+    resuming in place had sent no tick since (seed 1316: not even a heartbeat). Its record
+    had restarted with the resume, so it never looked frozen (nor, silent since, hung); a
+    peer blocked on it on another node was blamed instead, and the stopped rank, unable to
+    park, was waited for until --stop-timeout."""
+    import time
+
+    import zmq
+
+    from ftlaunch_contract.messages import Beat, Hello, Tick
+    from launcher.rank_hub import RankHub
+
+    context = zmq.Context()
+    hub = RankHub(context, tmp_path)
+    shim = context.socket(zmq.DEALER)
+    timeouts = HangTimeouts(heartbeat=4.0, startup=600.0)
+
+    def tell(now: float, *msgs: object) -> None:
+        """Send, ending with a heartbeat: read once it is (one socket keeps their order)."""
+        for msg in msgs:
+            shim.send(pack_local(msg))
+        beats, deadline = hub.links[1].activity.beats, time.monotonic() + 10
+        while hub.links[1].activity.beats == beats and time.monotonic() < deadline:
+            hub.socket.poll(100)
+            hub.receive(now)
+
+    def blamed(now: float) -> list[tuple[int, bool]]:
+        return [(pid, "frozen" in why) for pid, why in hub.hung(now, timeouts, True)]
+
+    try:
+        hub.track(1, 0.0)
+        shim.connect(hub.endpoint)
+        tell(0.6, Hello(pid=1, stacks=True), Tick(pid=1, sent=0.5), Beat(pid=1, step=3))
+        hub.track(1, 0.7, resumed=True)  # then SIGSTOPped: never a word again
+        assert "frozen" in hub.stuck(1, 3.0)
+        assert blamed(4.6) == [] and blamed(5.0) == [(1, True)]
+        tell(1.0, Beat(pid=1, step=4))  # back in training for a step, then SIGSTOPped
+        assert blamed(5.0) == [] and blamed(5.3) == [(1, True)]
+    finally:
+        shim.close(linger=0)
+        hub.close()
+        context.destroy(linger=0)
