@@ -144,6 +144,8 @@ class JobState:
     run_id: str = ""
     last_cause: str = ""  # of the latest recovery
     node_status: dict[str, tuple[str, RankStates]] = field(default_factory=dict)  # heartbeats
+    assigns: dict[str, Assign] = field(default_factory=dict)  # the running round's, by node
+    start: Start | None = None  # the running round's, once given
 
 
 def probe_interval(node_timeout: float) -> int:
@@ -509,9 +511,9 @@ class Coordinator:
             case StoreReady() if s.phase == RoundPhase.WAITING_STORE:
                 s.phase = RoundPhase.RUNNING
                 s.running_since = now
-                self._broadcast_round(Start(master_addr=msg.master_addr,
-                                            master_port=msg.master_port,
-                                            restart_count=s.restart_count))
+                s.start = Start(master_addr=msg.master_addr, master_port=msg.master_port,
+                                restart_count=s.restart_count)
+                self._broadcast_round(s.start)
             case Failure() if s.phase == RoundPhase.RUNNING:
                 cause = f"rank {msg.rank} (node {node}) {msg.cause}"
                 if failures.is_peer_error(msg.cause):  # the rank that died under it may follow
@@ -565,6 +567,14 @@ class Coordinator:
                 log.warning("node %s waits as a spare: the job runs on its maximum of %d nodes",
                             node, s.max_nodes)
             self._send(identity, Spare(members=s.successors, coordinator_node=s.host_node))
+        elif msg.seated_epoch != s.epoch and node in s.assigns:
+            # Seated, yet it says it never was: its assign went to a connection it has since
+            # left (chaos seed 1332: its join, held up by a partition, reached the successor
+            # late and put it in the takeover's round). Again, on this one.
+            log.info("node %s joined again without its seat: sending its assign again", node)
+            self._send(identity, s.assigns[node])
+            if s.start is not None:
+                self._send(identity, s.start)
         # else: a duplicate join from a member (a restarted agent has a new node id).
 
     def _on_leaving(self, node: str, msg: Leave) -> None:
@@ -660,13 +670,15 @@ class Coordinator:
         s.successors = members
         s.phase = RoundPhase.WAITING_STORE
         replicas = self._replicas(assignments, committed)
+        s.assigns, s.start = {}, None
         for a in assignments:
             replicate_to, fetch = replicas[a.node_id]
-            self._send(s.identities[a.node_id], Assign(
+            s.assigns[a.node_id] = Assign(
                 group_rank=a.group_rank, group_world_size=a.group_world_size,
                 rank_offset=a.rank_offset, world_size=a.world_size,
                 restart_count=s.restart_count, max_restarts=s.max_restarts, members=members,
-                coordinator_node=s.host_node, replicate_to=replicate_to, fetch=fetch))
+                coordinator_node=s.host_node, replicate_to=replicate_to, fetch=fetch)
+            self._send(s.identities[a.node_id], s.assigns[a.node_id])
         for node in s.members.keys() - s.group_ranks.keys():  # spares: whom to follow now
             if node in s.identities:
                 self._send(s.identities[node], Spare(members=members, coordinator_node=s.host_node))

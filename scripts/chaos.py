@@ -370,8 +370,9 @@ class Job:
         self.agents: list[subprocess.Popen] = []  # every agent started, in order
         self.starts: list[list[subprocess.Popen]] = []  # per start of the job
         self.killed: set[int] = set()  # agents a fault SIGKILLed: no exit code to check
-        self.env = {**{k: v for k, v in os.environ.items()
-                       if not k.startswith(("FTLAUNCH_", "TRAIN_", "SLURM_", "PET_"))},
+        self.env = {**{k: v for k, v in os.environ.items()  # FTLAUNCH_LOG_LEVEL to debug a run
+                       if not k.startswith(("FTLAUNCH_", "TRAIN_", "SLURM_", "PET_"))
+                       or k == "FTLAUNCH_LOG_LEVEL"},
                     TAG_VAR: tag, "PYTHONPATH": str(REPO), "TMPDIR": str(work / "tmp"),
                     "FTLAUNCH_RUNTIME_DIR": str(work / "runtime"), "FTLAUNCH_LIVE": "0",
                     "TRAIN_CHAOS_DIR": str(work / "chaos")}

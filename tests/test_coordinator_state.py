@@ -111,11 +111,14 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def assignments_of_one_round_agree(self):
-        by_epoch: dict[int, list[Assign]] = {}
+        by_epoch: dict[int, dict[bytes, Assign]] = {}
         for i, (to, msg) in enumerate(self.socket.sent):
-            if isinstance(msg.body, Assign):
-                by_epoch.setdefault(msg.epoch, []).append(msg.body)
-            if isinstance(msg.body, Assign) and i >= self.checked:  # sent by the last rule
+            if not isinstance(msg.body, Assign):
+                continue
+            first = by_epoch.setdefault(msg.epoch, {}).setdefault(to, msg.body)
+            if first is not msg.body:  # sent again (the node joined again without its seat)
+                assert msg.body == first
+            elif i >= self.checked:  # sent by the last rule
                 node = to.decode()
                 assert all(p.node_id != node for p in msg.body.replicate_to)
                 for f in msg.body.fetch:  # from a peer that said it holds it, never itself
@@ -123,9 +126,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
                     assert Held(*f[:3]) not in self.held[node]
         self.checked = len(self.socket.sent)
         for assigns in by_epoch.values():
-            sizes = {m.world_size for m in assigns}
+            sizes = {m.world_size for m in assigns.values()}
             assert len(sizes) == 1
-            offsets = sorted(m.rank_offset for m in assigns)
+            offsets = sorted(m.rank_offset for m in assigns.values())
             assert offsets[0] == 0 and len(set(offsets)) == len(offsets)
 
     @invariant()
@@ -556,3 +559,29 @@ def test_a_late_joiner_takes_the_seat_it_opened_before_an_idle_spare():
     m.time_passes(dt=0.1)
     assert m.state.phase == "waiting_store"
     assert sorted(m.state.group_ranks) == ["n0", "n2", "n3"]
+
+
+def test_a_member_that_joins_again_without_its_seat_is_sent_its_assign_again():
+    """Chaos (3 nodes, seed 1332): a cut-off node's join, held up by the partition, reached
+    the successor late and put the node in the takeover's round; its assign went to the
+    connection that join came on, which the node had left. Its join on the new one was taken
+    for a duplicate: it never started and the job waited for its ranks for good."""
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    state = coordinator._state
+    first = {to: m.body for to, m in socket.sent if isinstance(m.body, Assign)}
+
+    def sent_to(identity: bytes) -> list[str]:
+        return [m.body.TYPE for to, m in socket.sent if to == identity]
+
+    _join_round(coordinator, "b", seated_epoch=state.epoch, now=1.2)  # it has its seat
+    assert sent_to(b"b") == ["assign"]
+    coordinator._handle(b"b-again", Envelope(state.epoch, CONTROL["join"](
+        node_id="b", local_world_size=1, addr="10.0.0.2", standby_port=4000, rank_hint=-1,
+        replica_port=4101, held=(), restart_count=0, seated_epoch=-1)), 1.25)
+    assert [m.body for to, m in socket.sent if to == b"b-again"] == [first[b"b"]]
+    _running(coordinator)
+    coordinator._handle(b"b-third", Envelope(state.epoch, CONTROL["join"](
+        node_id="b", local_world_size=1, addr="10.0.0.2", standby_port=4000, rank_hint=-1,
+        replica_port=4101, held=(), restart_count=0, seated_epoch=0)), 1.4)
+    assert sent_to(b"b-third") == ["assign", "start"], "started already: the start as well"
+    assert sorted(state.group_ranks) == ["a", "b"] and state.phase == "running"
