@@ -254,7 +254,8 @@ class Coordinator:
     def release(self) -> zmq.Socket:
         """Stop serving; the bound socket is the caller's (a standby that may host again)."""
         self._stopping.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:  # (started)
+            self._thread.join(timeout=5)
         if self._announcer is not None:
             self._announcer.close()
             self._announcer = None
@@ -349,10 +350,11 @@ class Coordinator:
                     self._codec.encode(self._announcement, self._state.epoch), zmq.NOBLOCK)
 
     def _answers_to_announcement(self) -> None:
-        """The endpoint's coordinator still runs the job (we took over from inside a
-        partition: the others went on without our node). Having formed no round, we stand
-        down: our agents are sent to the endpoint, where they join again (as spares, or
-        to scale the job up) instead of waiting for a round that never forms."""
+        """The endpoint's coordinator still runs the job, or knows who does (we took over
+        from inside a partition: the others went on without our node). Having formed no
+        round, or none that any other node is still in, we stand down: our agents are sent
+        to the endpoint, where they join again (as spares, or to scale the job up) instead
+        of waiting for a round that never forms."""
         assert self._announcer is not None
         while True:
             try:
@@ -365,8 +367,10 @@ class Coordinator:
                 log.warning("dropped an answer from the rendezvous endpoint: %s", e)
                 continue
             s = self._state
-            if not isinstance(msg, Redirect) or self._rounds or s.redirect is not None \
-                    or s.final is not None:
+            alone = not set(s.group_ranks) - {s.host_node}
+            if not isinstance(msg, Redirect) or (self._rounds and not alone) \
+                    or s.redirect is not None or s.final is not None \
+                    or msg.coordinator_node == s.host_node:
                 continue
             host, _, port = self._rendezvous.removeprefix("tcp://").rpartition(":")
             log.warning("the job still runs under coordinator node %s at the rendezvous "
@@ -441,28 +445,7 @@ class Coordinator:
             self._send(identity, Stop(exit_code=s.final[0], reason=s.final[1]))
             return
         if isinstance(msg, Redirect):
-            if s.group_ranks and s.redirect is None and msg.coordinator_node not in s.group_ranks:
-                # A node we lost took over from inside a partition: the job runs here.
-                self._send(identity, Redirect(coordinator_node=s.host_node, addr="", port=0))
-            elif not s.group_ranks and s.redirect is not None \
-                    and received.epoch < s.redirect_epoch:
-                # Behind the job: a node that took over from inside a partition while the
-                # job went on under the successor we send agents to. It stands down.
-                self._send(identity, Redirect(coordinator_node=s.redirect.coordinator_node,
-                                              addr="", port=0))
-            elif not s.group_ranks:
-                # We never formed a round: the job went on under a successor while our node
-                # was gone (we are a re-created pod 0). Send our agents, and any that come,
-                # there; the latest successor to announce itself, of the newest epoch, wins
-                # (the one before may be gone too; our own node may be it, hosting on its
-                # standby socket).
-                s.redirect_epoch = received.epoch
-                if s.redirect != msg:
-                    log.warning("the job runs under coordinator node %s at %s:%d: redirecting "
-                                "agents there", msg.coordinator_node, msg.addr, msg.port)
-                    s.redirect = msg
-                    for node_identity in s.identities.values():
-                        self._send(node_identity, msg)
+            self._on_announcement(identity, msg, received.epoch)
             return
         if s.redirect is not None:
             self._send(identity, s.redirect)
@@ -576,6 +559,37 @@ class Coordinator:
             if s.start is not None:
                 self._send(identity, s.start)
         # else: a duplicate join from a member (a restarted agent has a new node id).
+
+    def _on_announcement(self, identity: bytes, msg: Redirect, epoch: int) -> None:
+        """Another coordinator says it runs the job (a successor announcing itself at the
+        endpoint). Who goes on: the coordinator with other nodes of the job; failing that,
+        the announcer unless it is behind (the endpoint, cut off, may have closed a round of
+        its own meanwhile, seating a silent spare: a tied epoch is no proof it kept the job)."""
+        s = self._state
+        alone = not set(s.group_ranks) - {s.host_node}  # fresh, or every other node lost
+        if not alone and s.redirect is None:
+            if msg.coordinator_node not in s.group_ranks:
+                # A node we lost took over from inside a partition: the job runs here.
+                self._send(identity, Redirect(coordinator_node=s.host_node, addr="", port=0))
+            return  # (a member announcing: we were frozen, not it; its own beats tell it)
+        behind = epoch < (s.redirect_epoch if s.redirect is not None else
+                          s.epoch if self._rounds else 0)
+        if behind:  # cut off from the job longer than we were: it stands down
+            runs = s.redirect.coordinator_node if s.redirect is not None else s.host_node
+            self._send(identity, Redirect(coordinator_node=runs, addr="", port=0))
+            return
+        # We never formed a round (our node was re-created at the endpoint while the job went
+        # on under a successor), or we were cut off from every other node and the job went on
+        # without us: send our agents, and any that come, there. The latest successor to
+        # announce itself, of the newest epoch, wins (the one before may be gone too; our own
+        # node may be it, hosting on its standby socket).
+        s.redirect_epoch = epoch
+        if s.redirect != msg:
+            log.warning("the job runs under coordinator node %s at %s:%d: redirecting agents "
+                        "there", msg.coordinator_node, msg.addr, msg.port)
+            s.redirect = msg
+            for node_identity in s.identities.values():
+                self._send(node_identity, msg)
 
     def _on_leaving(self, node: str, msg: Leave) -> None:
         """A node stopped by a signal: a pod deleted or evicted, a spot node reclaimed, a

@@ -19,7 +19,9 @@ of the node hosting the coordinator), sigterm (preemption of every node; the job
 again, as a scheduler requeues it), disk (the checkpoint file system full for two saves: a
 tmpfs of its own, mounted for the run; needs root), partition (a node other than the
 coordinator's cut off by iptables past the node timeout, then healed: it must re-join or
-leave) and loss (10-30% of a node's packets dropped for 3 s: no recovery). The network
+leave), coordinator-partition (the same of the coordinator's node: the others fail over;
+drawn only when --kinds names it, so that older seeds keep their schedules) and loss
+(10-30% of a node's packets dropped for 3 s: no recovery). The network
 faults need root: each agent then runs in a network namespace of its own (scripts/netns.py;
 --netns for any schedule). The same seed draws the same schedule.
 
@@ -59,9 +61,11 @@ sys.path.insert(0, str(REPO))
 
 RANK_KINDS = ("kill", "segv", "exception", "stop", "spin", "writer")
 NODE_KINDS = ("node", "coordinator")
-NET_KINDS = ("partition", "loss")  # iptables in a node's network namespace: --netns
-KINDS = (*RANK_KINDS, *NODE_KINDS, "sigterm", "disk", *NET_KINDS)
-MULTI_NODE = (*NODE_KINDS, "partition")  # drawn only when the job has 2+ nodes
+PARTITIONS = ("partition", "coordinator-partition")
+NET_KINDS = ("partition", "loss", "coordinator-partition")  # iptables in a node's namespace
+KINDS = (*RANK_KINDS, *NODE_KINDS, "sigterm", "disk", "partition", "loss")  # the default draw
+ALL_KINDS = (*KINDS, "coordinator-partition")  # drawn only when named (older seeds keep theirs)
+MULTI_NODE = (*NODE_KINDS, *PARTITIONS)  # drawn only when the job has 2+ nodes
 TAG_VAR = "FTLAUNCH_CHAOS_TAG"
 CKPT_EVERY = 5
 START = re.compile(r"start rank (\d+) world (\d+) pid (\d+) resume_from (\d+)")
@@ -102,7 +106,7 @@ class Injected:
     fault: Fault
     at: float  # time.time() of the injection
     detail: str = ""  # the pid or node it hit
-    cut_off: str = ""  # "partition": the log dir of the agent cut off (its view is not the job's)
+    cut_off: str = ""  # a partition: the log dir of the agent cut off (its view is not the job's)
 
 
 @dataclass
@@ -194,6 +198,7 @@ CAUSES = {  # what a recovery's cause says for each fault kind
     "stop": r"^rank \d+ \(.*\) .*hung", "spin": r"^rank \d+ \(.*\) .*hung",
     "node": r"{node}.*lost", "coordinator": r"{node}.*lost",
     "partition": r"^node {node} lost \((?!.*connection closed)",  # silent, not gone
+    "coordinator-partition": r"^coordinator node {node} lost$",  # the others fail over
 }
 
 
@@ -394,7 +399,7 @@ class Job:
             netns.clean_stale()
             plan = opts.schedule()
             self.cluster = netns.Cluster(opts.nodes + 2 + sum(
-                f.kind in (*NODE_KINDS, "partition") for f in plan)).up()
+                f.kind in (*NODE_KINDS, *PARTITIONS) for f in plan)).up()
             self.host, self.port = self.cluster.node(1).addr, RDZV_PORT
             self.env["GLOO_SOCKET_IFNAME"] = "eth0"
 
@@ -561,10 +566,10 @@ def inject(job: Job, fault: Fault) -> Injected:
         os.killpg(victim.pid, signal.SIGKILL)  # the agent and its ranks: the node is gone
         victim.wait()
         return Injected(fault, at, job.node_id(victim))
-    if kind == "partition":  # a node that is not the coordinator's: see README "Chaos"
+    if kind in PARTITIONS:  # see README "Chaos"
         host = job.coordinator()
         others = [p for p in job.seated() if p is not host]
-        victim = others[target % len(others)]
+        victim = host if kind == "coordinator-partition" else others[target % len(others)]
         job.unseated[victim.pid] = len(job.out.lines)
         job.placed[victim.pid].partition()
         job.cuts.append((f"agent{job.agents.index(victim)}", at))
@@ -620,7 +625,7 @@ def wait_recovered(job: Job, injected: Injected, timeout: float = 120) -> None:
         if not job.alive():
             return  # the budget is spent: the job ended
         time.sleep(0.05)  # the agents' event files
-    if kind == "partition":
+    if kind in PARTITIONS:
         rejoin_after_heal(job, job.agent_of(injected.detail))
     if kind in MULTI_NODE and job.seated():  # (the job may have ended meanwhile)
         job.starts[-1].append(job.spare(len(job.out.lines)))
@@ -865,7 +870,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap-ckpt", action="store_true",
                    help="the job's saves copied beside the next step (overlap=True)")
     p.add_argument("--kinds", default=",".join(KINDS),
-                   help="fault kinds to draw from (disk, partition, loss: as root)")
+                   help="fault kinds to draw from (disk and the network's: as root); "
+                        f"also: {','.join(k for k in ALL_KINDS if k not in KINDS)}")
     p.add_argument("--netns", action="store_true",
                    help="every node in a network namespace of its own, whatever is drawn")
     p.add_argument("--budget", type=int, default=None, help="--max-restarts (default: enough)")
@@ -875,8 +881,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true", help="echo the job's output")
     args = p.parse_args(argv)
     kinds = tuple(k for k in args.kinds.split(",") if k)
-    if unknown := set(kinds) - set(KINDS):
-        p.error(f"unknown fault kinds {sorted(unknown)}: choose from {','.join(KINDS)}")
+    if unknown := set(kinds) - set(ALL_KINDS):
+        p.error(f"unknown fault kinds {sorted(unknown)}: choose from {','.join(ALL_KINDS)}")
     kinds = usable_kinds(kinds, args.netns)
     runs, failed = [], 0
     for seed in range(args.seed, args.seed + max(1, args.campaign)):

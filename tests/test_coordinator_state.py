@@ -474,8 +474,11 @@ def test_the_endpoints_running_coordinator_tells_a_node_it_lost_that_took_over_t
     before = len(socket.sent)
     coordinator._handle(b"b-announcer", Envelope(1, announcement), 2.0)
     assert socket.sent[before:] == [], "b is still a member: no answer"
-    coordinator._disconnected(b"b", 2.0)  # b lost; the job goes on without it
-    assert "b" not in coordinator._state.group_ranks
+    coordinator._disconnected(b"b", 2.0)  # b lost; the job goes on without it, with c
+    _join_round(coordinator, "c", seated_epoch=-1, now=2.1)
+    _join_round(coordinator, "a", seated_epoch=1, now=2.1)
+    coordinator._tick(2.2)
+    assert sorted(coordinator._state.group_ranks) == ["a", "c"]
     before = len(socket.sent)
     coordinator._handle(b"b-announcer", Envelope(1, announcement), 2.5)
     answers = [m.body for to, m in socket.sent[before:] if to == b"b-announcer"]
@@ -585,3 +588,37 @@ def test_a_member_that_joins_again_without_its_seat_is_sent_its_assign_again():
         replica_port=4101, held=(), restart_count=0, seated_epoch=0)), 1.4)
     assert sent_to(b"b-third") == ["assign", "start"], "started already: the start as well"
     assert sorted(state.group_ranks) == ["a", "b"] and state.phase == "running"
+
+
+def test_an_endpoint_cut_off_from_every_node_follows_the_successor_the_job_went_on_under():
+    """Chaos (coordinator-partition): the endpoint's own node was cut off; the others failed
+    over to the successor and went on. Healed, the endpoint's coordinator, left with no node
+    but its own, hears the successor announce itself: it sends its agents there, and
+    whoever comes later, even at a tied epoch (seed 313: cut off, it had closed a round with
+    a spare it had not yet found silent). An announcer behind it is told to stand down, and
+    once it redirects, told where the job runs."""
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    _running(coordinator)
+    state = coordinator._state
+    coordinator._disconnected(b"b", 2.0)  # cut off: b is lost, a is alone
+    assert set(state.group_ranks) == {"a"} and state.epoch == 1
+
+    def answers(to: bytes, after: int) -> list[object]:
+        return [m.body for who, m in socket.sent[after:] if who == to]
+
+    before = len(socket.sent)
+    coordinator._handle(b"z-announcer", Envelope(0, CONTROL["redirect"](
+        coordinator_node="z", addr="10.0.0.9", port=4000)), 2.5)
+    assert answers(b"z-announcer", before) == [CONTROL["redirect"](
+        coordinator_node="a", addr="", port=0)] and state.redirect is None, "z is behind"
+    tied = CONTROL["redirect"](coordinator_node="b", addr="10.0.0.2", port=4000)
+    before = len(socket.sent)
+    coordinator._handle(b"b-announcer", Envelope(1, tied), 3.0)
+    assert state.redirect == tied and answers(b"a", before) == [tied], "its agents go there"
+    before = len(socket.sent)
+    coordinator._handle(b"c-announcer", Envelope(0, CONTROL["redirect"](
+        coordinator_node="c", addr="10.0.0.3", port=4000)), 3.5)
+    assert answers(b"c-announcer", before) == [CONTROL["redirect"](
+        coordinator_node="b", addr="", port=0)], "behind: told where the job runs"
+    _join_round(coordinator, "d", seated_epoch=-1, now=4.0)
+    assert answers(b"d", before) == [tied], "a newcomer is sent there too"

@@ -336,3 +336,49 @@ def test_a_coordinator_whose_thread_dies_says_why(monkeypatch, caplog):
     finally:
         coordinator.release().close(linger=0)
         ctx.term()
+
+
+def test_a_successor_cut_off_after_its_rounds_stands_down_when_the_endpoint_says_so():
+    """Chaos (coordinator-partition, twice): the successor b ran the job for a round, then
+    its own node was cut off; the others failed over to the next and went on. Healed, b
+    announces itself at the endpoint, which answers where the job runs: b, with no node of
+    its rounds left but its own, stands down (before, having formed a round, it ignored the
+    answer and its agent waited there for good). One whose round still has others does not."""
+    from ftlaunch_contract.messages import CONTROL, Redirect
+    from ftlaunch_contract.protocol import Codec
+    from launcher.coordinator import Coordinator
+
+    ctx = zmq.Context()
+    codec = Codec(SECRET)
+    endpoint = ctx.socket(zmq.ROUTER)  # the endpoint's coordinator, a raw socket
+    endpoint.setsockopt(zmq.LINGER, 0)
+    port = endpoint.bind_to_random_port("tcp://127.0.0.1")
+    here = Redirect(coordinator_node="b", addr="127.0.0.1", port=1)
+    coordinators = []
+    try:
+        for group_ranks in ({"b": 0, "x": 1}, {"b": 0}):  # x still with it; then alone
+            router = ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.bind_to_random_port("tcp://127.0.0.1")
+            coordinator = Coordinator(router, SECRET, _takeover_state(group_ranks),
+                                      announce=(f"tcp://127.0.0.1:{port}", here))
+            coordinators.append(coordinator)
+            coordinator._rounds, coordinator._state.epoch = 1, 4  # it ran the job a round
+            deadline = time.monotonic() + 5
+            while not endpoint.poll(50):  # the announcer connects: nothing queued before
+                assert time.monotonic() < deadline, "no announcement at the endpoint"
+                coordinator._announce()
+            announcer, *frames = endpoint.recv_multipart()
+            assert codec.decode(frames).body == here
+            endpoint.send_multipart([announcer, *codec.encode(CONTROL["redirect"](
+                coordinator_node="c", addr="", port=0), 6)])
+            assert coordinator._announcer is not None and coordinator._announcer.poll(5000)
+            coordinator._answers_to_announcement()
+        assert coordinators[0]._state.redirect is None, "its round has x: it keeps the job"
+        assert coordinators[1]._state.redirect == Redirect(
+            coordinator_node="c", addr="127.0.0.1", port=port), "alone: it stands down"
+    finally:
+        for coordinator in coordinators:
+            coordinator.close()
+        endpoint.close()
+        ctx.destroy(linger=0)
