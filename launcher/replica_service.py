@@ -50,6 +50,11 @@ class TransferError(RuntimeError):
     """A transfer that failed; the text says why."""
 
 
+class _GivenWay(Exception):
+    """A replica copy stopped for a restore queued behind it: the recovery waits on that
+    (chaos seed 1354: a copy from a node just lost held a restore up for its 10 s timeout)."""
+
+
 @dataclass(frozen=True)
 class Transferred:
     """A shard now whole in this node's memory (``purpose``: replica or restore)."""
@@ -355,6 +360,12 @@ class ReplicaService:
                     nbytes = self._pull(job, sockets)
                     news: News = Transferred(job.held, job.source.node_id, job.purpose,
                                              nbytes, time.monotonic() - started)
+                except _GivenWay:
+                    stale = sockets.pop((job.source.addr, job.source.port), None)
+                    if stale is not None:
+                        stale.close()  # drop replies still in flight
+                    self._jobs.put(job)  # taken up again after the restore
+                    continue
                 except (TransferError, StagingFull, OSError, zmq.ZMQError) as e:
                     stale = sockets.pop((job.source.addr, job.source.port), None)
                     if stale is not None:
@@ -366,6 +377,10 @@ class ReplicaService:
         finally:
             for sock in sockets.values():
                 sock.close()
+
+    def _restore_waiting(self) -> bool:
+        with self._jobs.mutex:
+            return bool(self._jobs.queue) and self._jobs.queue[0].priority < 1
 
     def _batch_progress(self, batch: int, ok: bool) -> None:
         with self._lock:
@@ -389,7 +404,7 @@ class ReplicaService:
         base = {"world": held.world_size, "rank": held.rank, "step": held.step}
         nonce = os.urandom(8).hex()
         sock.send_multipart(self._wire.pack({**base, "type": "meta", "nonce": nonce}))
-        meta = _checked_meta(self._reply(sock, {nonce}, self.reply_timeout)[0].get("meta"), held)
+        meta = _checked_meta(self._reply(sock, {nonce}, job)[0].get("meta"), held)
         slot = self.shards.replica_slot(held, meta["save_id"])
         if slot is None:
             return int(meta["nbytes"])  # holds it already
@@ -414,7 +429,7 @@ class ReplicaService:
                     sock.send_multipart(self._wire.pack(
                         {**base, "type": "get", "nonce": nonce, "save_id": meta["save_id"],
                          "offset": offset, "nbytes": size}))
-                header, data = self._reply(sock, set(pending), self.reply_timeout)
+                header, data = self._reply(sock, set(pending), job)
                 offset = pending.pop(header["nonce"])
                 if len(data) != min(CHUNK, meta["nbytes"] - offset):
                     raise TransferError("a chunk of the wrong size")
@@ -426,15 +441,17 @@ class ReplicaService:
             slot.close()
 
     def _reply(self, sock: zmq.Socket, nonces: set[str],
-               timeout: float) -> tuple[dict[str, Any], memoryview]:
+               job: _Job) -> tuple[dict[str, Any], memoryview]:
         """The next signed reply to one of ``nonces`` (others are stale: dropped)."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + self.reply_timeout
         while True:
             left = deadline - time.monotonic()
             if self._closing.is_set():
                 raise TransferError("the agent is shutting down")
+            if job.purpose == "replica" and self._restore_waiting():
+                raise _GivenWay
             if left <= 0:
-                raise TransferError(f"no reply within {timeout:g}s")
+                raise TransferError(f"no reply within {self.reply_timeout:g}s")
             if not sock.poll(int(min(left, 0.1) * 1000) + 1):
                 continue
             try:

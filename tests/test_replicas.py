@@ -301,3 +301,40 @@ def test_copies_of_another_world_are_freed_once_the_new_world_commits(nodes):
     assert b.inventory() == (Held(4, 1, 50),)
     assert sorted(p.name for p in (b_dir / "replicas").iterdir()) == ["rank_1.0.data",
                                                                      "rank_1.0.meta"]
+
+
+def test_a_restore_does_not_wait_behind_a_replica_copy_from_a_node_just_lost(tmp_path):
+    """Chaos (seed 1354): a node was lost while this one copied its newest save; the restore
+    of the next round queued behind that copy, which waited for the lost node's reply until
+    the 10 s timeout. The copy gives way: the restore is done long before that timeout, and
+    the copy is taken up again after it."""
+    context = zmq.Context()
+    silent = context.socket(zmq.ROUTER)  # the lost node: it never answers
+    silent.linger = 0
+    silent_port = silent.bind_to_random_port("tcp://127.0.0.1")
+    offer = context.socket(zmq.DEALER)  # its offer, sent before it was lost
+    offer.linger = 0
+    services = []
+    try:
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
+            services.append(ReplicaService(context, SECRET, name, "127.0.0.1",
+                                           tmp_path / name, reply_timeout=60.0))
+        a, b = services
+        offer.connect(f"tcp://127.0.0.1:{b.port}")
+        offer.send_multipart(b._wire.pack({"type": "offer", "world": 6, "rank": 1, "step": 65,
+                                           "node_id": "lost", "addr": "127.0.0.1",
+                                           "port": silent_port}))
+        assert silent.poll(10_000), "b never asked the lost node for its save"
+        silent.recv_multipart()
+        data = os.urandom(1 << 20)
+        stage(tmp_path / "a", 4, 40, data)
+        b.fetch([(Held(6, 4, 40), as_peer(a))])
+        news = wait_news(b, want=2, timeout=30.0)  # < the copy's 60 s timeout: a hang guard
+        assert [type(n).__name__ for n in news] == ["Transferred", "FetchDone"], news
+        assert news[0].held == Held(6, 4, 40) and news[1].pulled == 1
+        assert silent.poll(10_000), "the copy was not taken up again after the restore"
+    finally:
+        for service in services:
+            service.close()
+        context.destroy(linger=0)
