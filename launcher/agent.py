@@ -313,16 +313,33 @@ class Agent:
         if verdict is None:
             return
         if verdict.late:
+            stacks = self._stacks_of_late(verdict)
             self.events.emit("escalated", verdict.reason if any(verdict.blocked_in) else
                              f"ranks {list(verdict.late)} did not leave their training "
                              f"function within {self.config.stop_timeout:g}s: replacing them",
-                             ranks=list(verdict.late), blocked_in=list(verdict.blocked_in))
+                             ranks=list(verdict.late), blocked_in=list(verdict.blocked_in),
+                             stacks=stacks)
         log.info("%s", verdict.reason)
         self.keep, self.parked = verdict.keep, {}  # rebuilt from keep once the rest is gone
         self._stop(Phase.BACKING_OFF,
                    ranks=[r for r in self.workers.alive() if r.proc.pid in verdict.stop])
         self.workers.send_signal(signal.SIGKILL, [r for r in self.workers.alive()
                                                   if r.rank in verdict.late])
+
+    def _stacks_of_late(self, verdict: node_policy.ParkVerdict) -> list[str]:
+        """Per late rank, where its stacks were written before it is killed ("": its shim
+        said where it was stuck): one that neither left nor said so is the case to explain."""
+        paths = []
+        for rank_id, where in zip(verdict.late, verdict.blocked_in, strict=True):
+            rank = next((r for r in self.workers.alive() if r.rank == rank_id), None)
+            if where or rank is None:
+                paths.append("")
+                continue
+            path = Path(rank.error_file).with_name("stacks.txt")
+            log.info("rank %d: %s", rank_id, self.io.capture_stacks(
+                rank.proc.pid, path, self.config.stack_dump, self.hub.stacks_armed(rank.proc.pid)))
+            paths.append(str(path))
+        return paths
 
     def _on_stop(self, exit_code: int, reason: str) -> None:
         """The job is over (the coordinator's word)."""

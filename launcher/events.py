@@ -38,7 +38,7 @@ EVENTS: dict[str, frozenset[str]] = {kind: frozenset(fields.split()) for kind, f
     "node_unhealthy": "reason",
     # recoveries
     "recovering": "cause policy restart_count delay",
-    "escalated": "ranks blocked_in",
+    "escalated": "ranks blocked_in stacks",
     "coordinator_lost": "lost successor",
     "coordinator_failed": "failure",
     "restore_pulled": "pulled failed seconds",
