@@ -515,7 +515,7 @@ class Coordinator:
                     else:
                         self._finish(exit_codes.OK, "all ranks finished")
             case Leave() if msg.exit_code > exit_codes.SIGNAL_BASE:
-                self._on_leaving(node, msg)
+                self._on_leaving(node, msg, now)
             case Leave():
                 self._finish(msg.exit_code, f"node {node} left: {msg.reason}")
             case Unhealthy() if node in s.members:
@@ -572,17 +572,20 @@ class Coordinator:
                 # A node we lost took over from inside a partition: the job runs here.
                 self._send(identity, Redirect(coordinator_node=s.host_node, addr="", port=0))
             return  # (a member announcing: we were frozen, not it; its own beats tell it)
-        behind = epoch < (s.redirect_epoch if s.redirect is not None else
-                          s.epoch if self._rounds else 0)
+        if s.redirect is not None:  # of two at one epoch, the first keeps it (no flip-flop)
+            behind = epoch < s.redirect_epoch or epoch == s.redirect_epoch and \
+                msg.coordinator_node != s.redirect.coordinator_node
+        else:
+            behind = epoch < (s.epoch if self._rounds else 0)
         if behind:  # cut off from the job longer than we were: it stands down
             runs = s.redirect.coordinator_node if s.redirect is not None else s.host_node
             self._send(identity, Redirect(coordinator_node=runs, addr="", port=0))
             return
         # We never formed a round (our node was re-created at the endpoint while the job went
         # on under a successor), or we were cut off from every other node and the job went on
-        # without us: send our agents, and any that come, there. The latest successor to
-        # announce itself, of the newest epoch, wins (the one before may be gone too; our own
-        # node may be it, hosting on its standby socket).
+        # without us: send our agents, and any that come, there. A successor of a newer epoch
+        # wins over the one we send them to (that one may be gone too; our own node may be
+        # it, hosting on its standby socket).
         s.redirect_epoch = epoch
         if s.redirect != msg:
             log.warning("the job runs under coordinator node %s at %s:%d: redirecting agents "
@@ -591,7 +594,7 @@ class Coordinator:
             for node_identity in s.identities.values():
                 self._send(node_identity, msg)
 
-    def _on_leaving(self, node: str, msg: Leave) -> None:
+    def _on_leaving(self, node: str, msg: Leave, now: float) -> None:
         """A node stopped by a signal: a pod deleted or evicted, a spot node reclaimed, a
         scancel. Its ranks get the signal, and with trainer_shim every rank of the job
         agrees to save a checkpoint and stop; the job then goes on without the node (and
@@ -606,7 +609,7 @@ class Coordinator:
             self._finish(msg.exit_code, f"every node left ({msg.reason})")
         elif s.phase == RoundPhase.JOINING:
             self._forget_leaving()
-            self._seat_spares()
+            self._seat_spares(now)
 
     def _forget_leaving(self) -> None:
         s = self._state
@@ -653,17 +656,25 @@ class Coordinator:
         if newcomer:
             s.expected.add(newcomer)
             s.round_joined.add(newcomer)
-        self._seat_spares()
+        self._seat_spares(now)
 
-    def _seat_spares(self) -> None:
+    def _seat_spares(self, now: float) -> None:
         """Idle nodes that joined already (hot spares) take the round's free seats: those
         up to MAX that neither a node of the last round nor a joined one will fill."""
         s = self._state
         free = s.max_nodes - len(set(s.group_ranks) | s.round_joined)
-        waiting = sorted(n for n in s.members if n not in s.group_ranks and n not in s.round_joined)
-        s.round_joined.update(waiting[:max(0, free)])
+        s.round_joined.update(self._idle_spares(now)[:max(0, free)])
 
-    def _complete_round(self) -> None:
+    def _idle_spares(self, now: float) -> list[str]:
+        """Members outside the round, heard from lately: one silent for half the liveness
+        timeout, not yet found lost, is no seat-holder (chaos seed 1436: a coordinator cut
+        off by a partition closed a round of spares as silent as the rest of the job)."""
+        s = self._state
+        lately = now - self._liveness() / 2
+        return sorted(n for n in s.members if n not in s.group_ranks and n not in s.round_joined
+                      and s.last_seen.get(n, now) >= lately)
+
+    def _complete_round(self, now: float) -> None:
         s = self._state
         committed = s.commits.committed  # of the last world: the newest step storage has
         self._rounds += 1
@@ -671,7 +682,7 @@ class Coordinator:
         s.expected_count = 0
         s.finished.clear()
         s.first_finished_at = None
-        spares = sorted(n for n in s.members if n not in s.group_ranks and n not in s.round_joined)
+        spares = self._idle_spares(now)
         s.round_joined.update(spares[:max(0, s.max_nodes - len(s.round_joined))])  # in for the lost
         assignments = membership.assign_ranks([s.members[n] for n in s.round_joined],
                                               s.group_ranks)
@@ -767,6 +778,8 @@ class Coordinator:
             return
         for node in membership.silent_members(s.last_seen, now, self._liveness(), s.host_node):
             self._lose(node, now)
+        if s.final is None and s.phase == RoundPhase.JOINING:
+            self._seat_spares(now)  # a spare passed over while silent that speaks again
         if (s.final is None and s.phase == RoundPhase.JOINING
                 and not self._maybe_complete_round(now)
                 and now - s.joining_since > s.join_timeout):
@@ -798,7 +811,7 @@ class Coordinator:
                                            s.expected_count)
         if reason is not None:
             log.info("rendezvous round closed: %s", reason)
-            self._complete_round()
+            self._complete_round(now)
         return reason is not None
 
     def _disconnected(self, identity: bytes, now: float) -> None:
@@ -835,4 +848,4 @@ class Coordinator:
         s.expected.discard(node)
         s.expected_count = max(0, s.expected_count - 1)
         if s.phase == RoundPhase.JOINING:  # lost while a round forms: a spare takes its seat
-            self._seat_spares()
+            self._seat_spares(now)

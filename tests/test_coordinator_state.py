@@ -596,7 +596,8 @@ def test_an_endpoint_cut_off_from_every_node_follows_the_successor_the_job_went_
     but its own, hears the successor announce itself: it sends its agents there, and
     whoever comes later, even at a tied epoch (seed 313: cut off, it had closed a round with
     a spare it had not yet found silent). An announcer behind it is told to stand down, and
-    once it redirects, told where the job runs."""
+    once it redirects, told where the job runs; so is one that claims the same epoch as the
+    successor it sends agents to (seed 1436: the endpoint flip-flopped between two)."""
     coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
     _running(coordinator)
     state = coordinator._state
@@ -620,5 +621,36 @@ def test_an_endpoint_cut_off_from_every_node_follows_the_successor_the_job_went_
         coordinator_node="c", addr="10.0.0.3", port=4000)), 3.5)
     assert answers(b"c-announcer", before) == [CONTROL["redirect"](
         coordinator_node="b", addr="", port=0)], "behind: told where the job runs"
+    coordinator._handle(b"e-announcer", Envelope(1, CONTROL["redirect"](
+        coordinator_node="e", addr="10.0.0.5", port=4000)), 3.6)
+    assert answers(b"e-announcer", before) == [CONTROL["redirect"](
+        coordinator_node="b", addr="", port=0)], "of two at one epoch, the first keeps it"
+    assert state.redirect == tied
     _join_round(coordinator, "d", seated_epoch=-1, now=4.0)
     assert answers(b"d", before) == [tied], "a newcomer is sent there too"
+
+
+def test_a_spare_silent_for_half_the_liveness_timeout_is_not_seated_until_it_speaks():
+    """Chaos (coordinator-partition, seed 1436): the coordinator's node, cut off, found one
+    node lost and closed the next round at once with spares as silent as the rest of the
+    job, not yet found lost; its epoch then matched the job's and it never stood down. A
+    spare silent for half the liveness timeout takes no seat; once it speaks, it does."""
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    _running(coordinator)
+    state = coordinator._state
+    spare = CONTROL["join"](node_id="s", local_world_size=1, addr="10.0.0.3", standby_port=4000,
+                            rank_hint=-1, replica_port=4102, held=(), restart_count=0,
+                            seated_epoch=-1)
+    coordinator._handle(b"s", Envelope(1, spare), 1.4)
+    liveness = coordinator._liveness()
+    later = 1.4 + liveness / 2 + 0.1  # s silent since 1.4; a beats on
+    state.last_seen["a"] = later
+    coordinator._disconnected(b"b", later)  # b gone: its seat is free
+    assert state.phase == "joining" and "s" not in state.round_joined
+    coordinator._tick(later + 0.05)
+    assert state.phase == "joining", "the round must not close with a silent spare"
+    coordinator._handle(b"s", Envelope(1, CONTROL["heartbeat"](node_id="s", phase="joining",
+                                                               ranks=())), later + 0.1)
+    _join_round(coordinator, "a", seated_epoch=1, now=later + 0.1)
+    coordinator._tick(later + 0.2)
+    assert state.phase == "waiting_store" and sorted(state.group_ranks) == ["a", "s"]
