@@ -572,20 +572,17 @@ class Coordinator:
                 # A node we lost took over from inside a partition: the job runs here.
                 self._send(identity, Redirect(coordinator_node=s.host_node, addr="", port=0))
             return  # (a member announcing: we were frozen, not it; its own beats tell it)
-        if s.redirect is not None:  # of two at one epoch, the first keeps it (no flip-flop)
-            behind = epoch < s.redirect_epoch or epoch == s.redirect_epoch and \
-                msg.coordinator_node != s.redirect.coordinator_node
-        else:
-            behind = epoch < (s.epoch if self._rounds else 0)
+        behind = epoch < (s.redirect_epoch if s.redirect is not None else
+                          s.epoch if self._rounds else 0)
         if behind:  # cut off from the job longer than we were: it stands down
             runs = s.redirect.coordinator_node if s.redirect is not None else s.host_node
             self._send(identity, Redirect(coordinator_node=runs, addr="", port=0))
             return
         # We never formed a round (our node was re-created at the endpoint while the job went
         # on under a successor), or we were cut off from every other node and the job went on
-        # without us: send our agents, and any that come, there. A successor of a newer epoch
-        # wins over the one we send them to (that one may be gone too; our own node may be
-        # it, hosting on its standby socket).
+        # without us: send our agents, and any that come, there. The latest successor to
+        # announce itself, of the newest epoch, wins (the one before may be gone too: its
+        # successor takes over at its epoch; our own node may be it, on its standby socket).
         s.redirect_epoch = epoch
         if s.redirect != msg:
             log.warning("the job runs under coordinator node %s at %s:%d: redirecting agents "

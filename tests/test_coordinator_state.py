@@ -596,8 +596,8 @@ def test_an_endpoint_cut_off_from_every_node_follows_the_successor_the_job_went_
     but its own, hears the successor announce itself: it sends its agents there, and
     whoever comes later, even at a tied epoch (seed 313: cut off, it had closed a round with
     a spare it had not yet found silent). An announcer behind it is told to stand down, and
-    once it redirects, told where the job runs; so is one that claims the same epoch as the
-    successor it sends agents to (seed 1436: the endpoint flip-flopped between two)."""
+    once it redirects, told where the job runs; one of the same epoch as the successor it
+    sends agents to is that successor's own successor (it takes over at its epoch): it wins."""
     coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
     _running(coordinator)
     state = coordinator._state
@@ -621,13 +621,11 @@ def test_an_endpoint_cut_off_from_every_node_follows_the_successor_the_job_went_
         coordinator_node="c", addr="10.0.0.3", port=4000)), 3.5)
     assert answers(b"c-announcer", before) == [CONTROL["redirect"](
         coordinator_node="b", addr="", port=0)], "behind: told where the job runs"
-    coordinator._handle(b"e-announcer", Envelope(1, CONTROL["redirect"](
-        coordinator_node="e", addr="10.0.0.5", port=4000)), 3.6)
-    assert answers(b"e-announcer", before) == [CONTROL["redirect"](
-        coordinator_node="b", addr="", port=0)], "of two at one epoch, the first keeps it"
-    assert state.redirect == tied
+    took_over = CONTROL["redirect"](coordinator_node="e", addr="10.0.0.5", port=4000)
+    coordinator._handle(b"e-announcer", Envelope(1, took_over), 3.6)
+    assert state.redirect == took_over, "b's successor took over at b's epoch: it wins"
     _join_round(coordinator, "d", seated_epoch=-1, now=4.0)
-    assert answers(b"d", before) == [tied], "a newcomer is sent there too"
+    assert answers(b"d", before) == [took_over], "a newcomer is sent there too"
 
 
 def test_a_spare_silent_for_half_the_liveness_timeout_is_not_seated_until_it_speaks():
