@@ -367,8 +367,7 @@ class Coordinator:
                 log.warning("dropped an answer from the rendezvous endpoint: %s", e)
                 continue
             s = self._state
-            alone = not set(s.group_ranks) - {s.host_node}
-            if not isinstance(msg, Redirect) or (self._rounds and not alone) \
+            if not isinstance(msg, Redirect) or (self._rounds and not self._alone()) \
                     or s.redirect is not None or s.final is not None \
                     or msg.coordinator_node == s.host_node:
                 continue
@@ -560,14 +559,19 @@ class Coordinator:
                 self._send(identity, s.start)
         # else: a duplicate join from a member (a restarted agent has a new node id).
 
+    def _alone(self) -> bool:
+        """No node of our rounds is left but our own: we are fresh, or were cut off from
+        every other node."""
+        s = self._state
+        return not set(s.group_ranks) - {s.host_node}
+
     def _on_announcement(self, identity: bytes, msg: Redirect, epoch: int) -> None:
         """Another coordinator says it runs the job (a successor announcing itself at the
         endpoint). Who goes on: the coordinator with other nodes of the job; failing that,
         the announcer unless it is behind (the endpoint, cut off, may have closed a round of
         its own meanwhile, seating a silent spare: a tied epoch is no proof it kept the job)."""
         s = self._state
-        alone = not set(s.group_ranks) - {s.host_node}  # fresh, or every other node lost
-        if not alone and s.redirect is None:
+        if not self._alone() and s.redirect is None:
             if msg.coordinator_node not in s.group_ranks:
                 # A node we lost took over from inside a partition: the job runs here.
                 self._send(identity, Redirect(coordinator_node=s.host_node, addr="", port=0))

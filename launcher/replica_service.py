@@ -361,15 +361,11 @@ class ReplicaService:
                     news: News = Transferred(job.held, job.source.node_id, job.purpose,
                                              nbytes, time.monotonic() - started)
                 except _GivenWay:
-                    stale = sockets.pop((job.source.addr, job.source.port), None)
-                    if stale is not None:
-                        stale.close()  # drop replies still in flight
+                    _close(sockets, job.source)
                     self._jobs.put(job)  # taken up again after the restore
                     continue
                 except (TransferError, StagingFull, OSError, zmq.ZMQError) as e:
-                    stale = sockets.pop((job.source.addr, job.source.port), None)
-                    if stale is not None:
-                        stale.close()  # drop replies still in flight
+                    _close(sockets, job.source)
                     news = NotTransferred(job.held, job.source.node_id, job.purpose, str(e))
                 self._tell(news)
                 if job.batch:
@@ -463,6 +459,13 @@ class ReplicaService:
             if header.get("error"):
                 raise TransferError(str(header["error"]))
             return header, data
+
+
+def _close(sockets: dict[tuple[str, int], zmq.Socket], peer: Peer) -> None:
+    """Drop the connection to ``peer`` with the replies still in flight on it."""
+    stale = sockets.pop((peer.addr, peer.port), None)
+    if stale is not None:
+        stale.close()
 
 
 def _held(meta: dict[str, Any]) -> Held:
