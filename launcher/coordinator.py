@@ -568,8 +568,8 @@ class Coordinator:
     def _on_announcement(self, identity: bytes, msg: Redirect, epoch: int) -> None:
         """Another coordinator says it runs the job (a successor announcing itself at the
         endpoint). Who goes on: the coordinator with other nodes of the job; failing that,
-        the announcer unless it is behind (the endpoint, cut off, may have closed a round of
-        its own meanwhile, seating a silent spare: a tied epoch is no proof it kept the job)."""
+        the announcer unless it is behind (a successor takes over at its predecessor's epoch,
+        so a tie is no proof that we kept the job)."""
         s = self._state
         if not self._alone() and s.redirect is None:
             if msg.coordinator_node not in s.group_ranks:
