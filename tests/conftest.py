@@ -145,6 +145,7 @@ def launcher_env(tmp_path):
     env[TAG_VAR] = tag
     env["PYTHONPATH"] = str(ROOT)
     env["FTLAUNCH_STRICT"] = "1"  # an agent's illegal phase transition is an error
+    env["TMPDIR"] = str(tmp_path)  # a launch without --log-dir logs there, not in /tmp
     yield env
     leftovers = wait_no_tagged(tag)
     for p in leftovers:

@@ -10,10 +10,10 @@ the invariants below must hold after every step.
 from __future__ import annotations
 
 import signal
-import tempfile
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -31,6 +31,15 @@ from launcher.workers import RankExit
 
 LOCAL_WORLD_SIZE = 2
 STOP_TIMEOUT = 2.0
+LOG_DIR = ""  # one for every example of the machine, under pytest's tmp (not /tmp)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _log_dir(tmp_path_factory):
+    global LOG_DIR
+    LOG_DIR = str(tmp_path_factory.mktemp("agent-state-logs"))
+
+
 DIES_ON = (signal.SIGKILL,)  # every other signal: the fake rank exits when the test says
 
 
@@ -260,7 +269,7 @@ class AgentMachine(RuleBasedStateMachine):
         super().__init__()
         config = LaunchConfig(nnodes="1:2", nproc_per_node=str(LOCAL_WORLD_SIZE),
                               rdzv_endpoint="127.0.0.1:29999", rdzv_id="state-test",
-                              log_dir=tempfile.mkdtemp(prefix="ftlaunch-state-"),
+                              log_dir=LOG_DIR,
                               stop_timeout=STOP_TIMEOUT)
         self.agent = Agent(config, "train.py", [])
         self.agent.strict = True
