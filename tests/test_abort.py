@@ -207,3 +207,37 @@ def test_a_parked_rank_lets_go_of_a_group_whose_pending_work_will_never_finish(t
     lines = sorted(done.stdout.splitlines())
     assert lines == ["rank 0 all-reduced 2 in the next group",
                      "rank 1 all-reduced 2 in the next group", "released"], done.stdout
+
+
+RESTORED_PACE = """\
+import os, sys
+import zmq
+from ftlaunch_contract import environment
+
+hub = zmq.Context().socket(zmq.ROUTER)
+hub.bind(os.environ[environment.HUB])
+import trainer_shim
+from trainer_shim.agent_link import STUCK_AFTER_UNPACED
+
+link = trainer_shim._link
+assert link is not None, "a rank under an agent talks to it"
+print(link._window() == STUCK_AFTER_UNPACED, flush=True)
+trainer_shim.load_state_dict({"longest_heartbeat_interval": 2.0, "step_interval": 0.15})
+print(link._window(), flush=True)
+trainer_shim.load_state_dict({"step_interval": 0.4})  # an older save: the first restore holds
+print(link._window(), trainer_shim.state_dict()["step_interval"], flush=True)
+"""
+
+
+def test_a_rank_restored_from_a_checkpoint_takes_its_stuck_window_from_the_saved_pace(tmp_path):
+    """A rank forked as a replacement has stepped too few times to know its pace, and told to
+    leave in its first step would wait the unpaced second before saying it is stuck in a
+    collective (chaos seed 1450: a recovery of 1.04 s). The pace saved with the shim's state
+    gives it two steps' window from the start."""
+    done = subprocess.run([sys.executable, "-c", RESTORED_PACE], cwd=ROOT, timeout=60,
+                          capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                               "FTLAUNCH_HUB": f"ipc://{tmp_path}/hub",
+                               "FTLAUNCH_RUN_ID": "pace-test"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["True", "0.3", "0.3 0.15"], done.stdout

@@ -175,8 +175,8 @@ def test_shim_state_dict_round_trips_without_an_agent():
     import trainer_shim as ft
 
     assert not ft.is_managed()
-    ft.load_state_dict({"longest_heartbeat_interval": 1.5})
-    assert ft.state_dict() == {"longest_heartbeat_interval": 1.5}
+    ft.load_state_dict({"longest_heartbeat_interval": 1.5, "step_interval": 0.2})
+    assert ft.state_dict() == {"longest_heartbeat_interval": 1.5, "step_interval": 0.2}
     ft.heartbeat(3)  # no agent: nothing happens, nothing fails
     with ft.section("step"):
         pass

@@ -69,19 +69,20 @@ _last_beat = 0.0  # last heartbeat sent
 _last_call = 0.0  # last heartbeat() call
 _last_step = -1  # the highest step heartbeat() was given, sent or throttled away
 _longest_interval = 0.0  # between calls: what --hang-timeout-factor learns from
+_step_interval = 0.0  # between the last two calls: about a step
 
 
 def heartbeat(step: int | None = None) -> None:
     """Tell the agent this rank is alive (and at ``step``, which measures progress)."""
-    global _last_beat, _last_call, _longest_interval, _last_step
+    global _last_beat, _last_call, _longest_interval, _last_step, _step_interval
     if _link is None:
         return
     if step is not None:
         _last_step = max(_last_step, int(step))
     now = time.monotonic()
     if _last_call:
-        _link.pace = now - _last_call
-        _longest_interval = max(_longest_interval, _link.pace)
+        _link.pace = _step_interval = now - _last_call
+        _longest_interval = max(_longest_interval, _step_interval)
     _last_call = now
     if now - _last_beat >= MIN_BEAT_INTERVAL:
         _last_beat = now
@@ -123,16 +124,21 @@ def _on_sigterm(signum, frame) -> None:
 
 def state_dict() -> dict[str, float]:
     """What the shim learned about this job's pace; save it with your checkpoint."""
-    return {"longest_heartbeat_interval": _longest_interval}
+    return {"longest_heartbeat_interval": _longest_interval, "step_interval": _step_interval}
 
 
 def load_state_dict(state: dict[str, float]) -> None:
     """Restore it after a restart: a learned hang timeout (--hang-timeout-factor) then holds
-    from the first step instead of after 20 new heartbeats."""
-    global _longest_interval
+    from the first step instead of after 20 new heartbeats, and a rank told to leave in its
+    first steps is found stuck in a collective within two steps, not the unpaced second."""
+    global _longest_interval, _step_interval
     _longest_interval = max(_longest_interval, float(state.get("longest_heartbeat_interval", 0)))
+    if not _step_interval:  # this process's own steps, once it has two, are newer
+        _step_interval = float(state.get("step_interval", 0))
     if _link is not None and _longest_interval > 0:
         _link.learned(_longest_interval)
+    if _link is not None and not _link.pace:
+        _link.pace = _step_interval
 
 
 @contextlib.contextmanager
