@@ -31,7 +31,14 @@ from ftlaunch_contract.messages import (
 )
 from ftlaunch_contract.protocol import Codec, Envelope, ProtocolError
 from launcher import UsageError, membership
-from launcher.coordinator import Coordinator, JobState, bind_router, connection_monitor, keep_alive
+from launcher.coordinator import (
+    Coordinator,
+    JobState,
+    bind_router,
+    connection_monitor,
+    keep_alive,
+    probe_interval,
+)
 
 log = logging.getLogger("ftlaunch.control")
 
@@ -114,6 +121,7 @@ class ControlPlane:
         self.coordinator_node = ""
         self.redirected = False  # we follow a redirect and have not been assigned since
         self._lost: set[str] = set()  # coordinators we failed over from, since members came
+        self._cut_off: set[str] = set()  # those of them that went silent (see has_quorum)
         if endpoint is None:  # single node: our own coordinator on a free local port
             self._host(self.standby, self.new_state_for_host())
             endpoint = (addr, self.standby_port)
@@ -224,7 +232,7 @@ class ControlPlane:
             # The job's word on who would take over: what we took for lost before (cut off
             # by a partition: everyone) is not (chaos seeds 1301, 1306: a healed spare
             # passed over the live successor and, finding none, failed).
-            self.members, self._lost = received.body.members, set()
+            self.members, self._lost, self._cut_off = received.body.members, set(), set()
             self.coordinator_node = received.body.coordinator_node
             self._takeover_due = True  # with our next heartbeat: not on the start's path
             if self._watching and self._watch_endpoint != self._endpoint:
@@ -394,6 +402,8 @@ class ControlPlane:
 
     def fail_over(self, epoch: int, restart_count: int, group_world_size: int) -> str | None:
         """Follow the coordinator to its successor (maybe us); returns the successor or None."""
+        if not self._died(time.monotonic()):
+            self._cut_off.add(self.coordinator_node)
         self._lost.add(self.coordinator_node)
         by_rank = [m.node_id for m in self.members]
         successor = membership.successor(by_rank, self._lost)
@@ -410,6 +420,9 @@ class ControlPlane:
             # counted in group_world_size any more.
             state.expected_count = group_world_size - sum(m.node_id in self._lost
                                                           for m in self.members)
+            state.round_size = group_world_size
+            state.cut_off = self._cut_off & {m.node_id for m in self.members}
+            state.wins_tie = not state.cut_off
             now = time.monotonic()
             for rank, (node, _, port) in enumerate(self.members):
                 if node in self._lost:
@@ -428,6 +441,12 @@ class ControlPlane:
         self.coordinator_node = successor
         self.last_heard = time.monotonic()
         return successor
+
+    def _died(self, now: float) -> bool:
+        """The coordinator's process died (its connection closed while we still heard from
+        it), rather than its machine going silent: a silent one may be cut off, alive."""
+        return self.connection_lost and \
+            now - self.last_heard < self._node_timeout - probe_interval(self._node_timeout)
 
     def close(self) -> None:
         """Hosting, wait (up to the node timeout) until the job no longer needs us: a node

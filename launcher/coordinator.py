@@ -146,6 +146,9 @@ class JobState:
     node_status: dict[str, tuple[str, RankStates]] = field(default_factory=dict)  # heartbeats
     assigns: dict[str, Assign] = field(default_factory=dict)  # the running round's, by node
     start: Start | None = None  # the running round's, once given
+    round_size: int = 0  # nodes of the last round closed (0: none yet; see has_quorum)
+    cut_off: set[str] = field(default_factory=set)  # of them, lost silently: maybe training on
+    wins_tie: bool = True  # half of them suffice: we ran it, or our predecessor died
 
 
 def probe_interval(node_timeout: float) -> int:
@@ -221,6 +224,7 @@ class Coordinator:
         self._announcement = announce[1] if announce else None
         self._rendezvous = announce[0] if announce else ""
         self._rounds = 0  # rounds this coordinator formed
+        self._short_of_quorum = False  # said so, for the round forming
         self._pace = pace(state.max_nodes)
         if announce:
             self._announcer = sock.context.socket(zmq.DEALER)
@@ -681,6 +685,8 @@ class Coordinator:
         self._rounds += 1
         s.epoch += 1
         s.expected_count = 0
+        s.cut_off, s.wins_tie = set(), True
+        self._short_of_quorum = False
         s.finished.clear()
         s.first_finished_at = None
         spares = self._idle_spares(now)
@@ -688,6 +694,7 @@ class Coordinator:
         assignments = membership.assign_ranks([s.members[n] for n in s.round_joined],
                                               s.group_ranks)
         s.group_ranks = {a.node_id: a.group_rank for a in assignments}
+        s.round_size = len(assignments)
         if assignments and assignments[0].world_size != s.commits.world_size:
             s.commits = CommitLog(assignments[0].world_size)  # shards of another world differ
             s.copies = CommitLog(assignments[0].world_size)
@@ -778,16 +785,19 @@ class Coordinator:
         if s.final is not None:
             return
         for node in membership.silent_members(s.last_seen, now, self._liveness(), s.host_node):
-            self._lose(node, now)
+            self._lose(node, now, silent=True)
         if s.final is None and s.phase == RoundPhase.JOINING:
             self._seat_spares(now)  # a spare passed over while silent that speaks again
         if (s.final is None and s.phase == RoundPhase.JOINING
                 and not self._maybe_complete_round(now)
                 and now - s.joining_since > s.join_timeout):
+            short = f" ({len(s.cut_off)} of the last round's {s.round_size} nodes lost silently, " \
+                "maybe behind a partition: a round needs more of them)" \
+                if self._short_of_quorum else ""
             self._finish(exit_codes.JOB_FAILED,
                          f"rendezvous timed out: {len(s.round_joined)} of at least "
-                         f"{s.min_nodes} nodes joined within {s.join_timeout:g}s; start the "
-                         "missing nodes or raise --rdzv-conf join_timeout")
+                         f"{s.min_nodes} nodes joined within {s.join_timeout:g}s{short}; start "
+                         "the missing nodes or raise --rdzv-conf join_timeout")
         if s.phase == RoundPhase.RUNNING and s.peer_error and now >= s.peer_error[2]:
             self._recover_from(s.peer_error[0], now, step=s.peer_error[1])  # no other came
         if (s.phase == RoundPhase.RUNNING and s.first_finished_at is not None
@@ -810,10 +820,28 @@ class Coordinator:
         reason = membership.round_complete(s.round_joined, s.expected, s.min_nodes,
                                            s.max_nodes, s.min_reached_at, now, s.last_call,
                                            s.expected_count)
+        if reason is not None and not self._quorum():
+            return False
         if reason is not None:
             log.info("rendezvous round closed: %s", reason)
             self._complete_round(now)
         return reason is not None
+
+    def _quorum(self) -> bool:
+        """More of the last round's nodes here than may train on cut off (has_quorum); the
+        round waits otherwise, for them to come back, until the join timeout. One lost
+        silently that joins again is here, not there."""
+        s = self._state
+        seated = len(s.round_joined & (s.expected | s.cut_off))
+        away = len(s.cut_off - s.round_joined)
+        if not s.round_size or membership.has_quorum(seated, away, s.wins_tie):
+            return True
+        if not self._short_of_quorum:
+            self._short_of_quorum = True
+            log.warning("rendezvous round held: %d of the last round's %d nodes here, %d lost "
+                        "silently may go on behind a partition; waiting for them", seated,
+                        s.round_size, away)
+        return False
 
     def _disconnected(self, identity: bytes, now: float) -> None:
         """A member's connection closed: its agent died (a process that exits closes its
@@ -824,13 +852,13 @@ class Coordinator:
         node = next((n for n, i in s.identities.items() if i == identity), None)
         if node is None or node == s.host_node or s.final is not None or node in s.leaving:
             return  # not a member (a status query, a spare's old link), or on its way out
-        quiet = now - s.last_seen.get(node, now)
-        why = f"nothing from its machine for {s.node_timeout:g}s" \
-            if quiet >= s.node_timeout - probe_interval(s.node_timeout) \
+        silent = now - s.last_seen.get(node, now) >= s.node_timeout - probe_interval(s.node_timeout)
+        why = f"nothing from its machine for {s.node_timeout:g}s" if silent \
             else "its agent's connection closed"
-        self._lose(node, now, f"node {node} lost ({why})")
+        self._lose(node, now, f"node {node} lost ({why})", silent)
 
-    def _lose(self, node: str, now: float, cause: str = "") -> None:
+    def _lose(self, node: str, now: float, cause: str = "", silent: bool = False) -> None:
+        """``silent``: its machine went quiet, so it may be alive behind a partition."""
         s = self._state
         if cause:
             log.warning("%s", cause)
@@ -842,6 +870,8 @@ class Coordinator:
             table.pop(node, None)
         s.round_joined.discard(node)
         if node in s.group_ranks:
+            if silent:
+                s.cut_off.add(node)
             in_round = s.phase in (RoundPhase.WAITING_STORE, RoundPhase.RUNNING)
             del s.group_ranks[node]
             if in_round:

@@ -73,6 +73,17 @@ def round_complete(joined: set[str], expected: set[str], min_nodes: int, max_nod
     return None
 
 
+def has_quorum(seated: int, cut_off: int, wins_tie: bool) -> bool:
+    """Whether a round may close with ``seated`` nodes of the last round while ``cut_off``
+    others of it were lost silently. A machine gone silent may be alive behind a partition,
+    and its side may form a round of its own: the side with more of the last round's nodes
+    goes on, a tie to the side whose coordinator ran that round (a successor's only if its
+    predecessor died: its connection closed while it was still heard from). Nodes known
+    gone (closed connections, excluded, leaving) count for neither side, so one failure at a
+    time never stops a job; two sides of one partition never both train."""
+    return seated > cut_off or (seated == cut_off and wins_tie)
+
+
 HEARTBEATS_PER_SECOND = 1024
 """What a coordinator hears at most from a large job's heartbeats: beyond that many nodes
 per configured interval, each node heartbeats less often (see beat_interval)."""

@@ -6,6 +6,8 @@ the one method the coordinator uses; the invariants below must hold after every 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import zmq
 from hypothesis import settings
@@ -652,3 +654,87 @@ def test_a_spare_silent_for_half_the_liveness_timeout_is_not_seated_until_it_spe
     _join_round(coordinator, "a", seated_epoch=1, now=later + 0.1)
     coordinator._tick(later + 0.2)
     assert state.phase == "waiting_store" and sorted(state.group_ranks) == ["a", "s"]
+
+
+def _elastic_job(nodes: str) -> Coordinator:
+    """A job of --nnodes 1:N running its first round on these nodes (the first hosts)."""
+    state = JobState(min_nodes=1, max_nodes=len(nodes), max_restarts=5, policy="rank",
+                     backoff=0.0, backoff_max=0.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=0.5, join_timeout=60.0, host_node=nodes[0], joining_since=0.0)
+    coordinator = Coordinator(CapturingSocket(), SECRET, state)
+    for node in nodes:
+        _join_round(coordinator, node, seated_epoch=-1, now=1.0)
+    coordinator._tick(1.1)
+    _running(coordinator)
+    assert sorted(state.group_ranks) == list(nodes)
+    return coordinator
+
+
+def _silent_but(coordinator: Coordinator, heard: str, now: float) -> None:
+    """Time passes; only the nodes in ``heard`` are heard from."""
+    for node in heard:
+        coordinator._seen(node, now)
+    coordinator._tick(now)
+
+
+def test_a_partition_leaves_the_round_to_the_side_with_most_of_its_nodes(caplog):
+    """1:3, and b and c go silent together: they may be alive on the other side of a
+    partition, where two of the round's three nodes may go on. a alone is MIN, yet holds its
+    round; one of them back is a majority here."""
+    import logging
+
+    coordinator = _elastic_job("abc")
+    state = coordinator._state
+    with caplog.at_level(logging.WARNING, logger="ftlaunch.coordinator"):
+        _silent_but(coordinator, "a", 7.0)
+        assert state.phase == "joining" and state.cut_off == {"b", "c"}
+        _join_round(coordinator, "a", seated_epoch=1, now=7.1)
+        _silent_but(coordinator, "a", 9.0)  # well past the last call
+    assert state.phase == "joining", "a minority closed a round"
+    assert "rendezvous round held: 1 of the last round's 3 nodes here, 2 lost silently" \
+        in caplog.text
+    _join_round(coordinator, "b", seated_epoch=-1, now=9.1)  # healed: b was dropped, joins
+    _silent_but(coordinator, "ab", 9.7)
+    assert state.phase == "waiting_store" and sorted(state.group_ranks) == ["a", "b"]
+    assert state.cut_off == set(), "a new round: its own count"
+
+
+def test_nodes_whose_agents_died_count_for_no_side():
+    """Closed connections (dead agent processes, their machines still answering) are no
+    partition: one node of three goes on."""
+    coordinator = _elastic_job("abc")
+    state = coordinator._state
+    coordinator._disconnected(b"b", 2.0)
+    coordinator._disconnected(b"c", 2.0)
+    assert state.cut_off == set()
+    _join_round(coordinator, "a", seated_epoch=1, now=2.1)
+    _silent_but(coordinator, "a", 2.7)
+    assert state.phase == "waiting_store" and list(state.group_ranks) == ["a"]
+
+
+def test_half_the_round_goes_on_on_the_side_that_ran_it():
+    """1:2 and the other node silent: a tie, which the coordinator of the round wins (its
+    successor, on the other side, does not: see the next test)."""
+    coordinator = _elastic_job("ab")
+    state = coordinator._state
+    _silent_but(coordinator, "a", 7.0)
+    assert state.cut_off == {"b"}
+    _join_round(coordinator, "a", seated_epoch=1, now=7.1)
+    _silent_but(coordinator, "a", 7.7)
+    assert state.phase == "waiting_store" and list(state.group_ranks) == ["a"]
+
+
+@pytest.mark.parametrize("predecessor", ["silent", "died"])
+def test_a_successor_takes_half_the_round_only_if_its_predecessor_died(predecessor):
+    """b takes over a 1:2 job from a. a's process died (its connection closed while heard
+    from): b goes on alone. a went silent: it may train on, cut off, and wins the tie."""
+    silent = predecessor == "silent"
+    state = JobState(min_nodes=1, max_nodes=2, max_restarts=5, policy="rank", backoff=0.0,
+                     backoff_max=0.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=0.5, join_timeout=60.0, host_node="b", joining_since=0.0,
+                     epoch=1, group_ranks={"b": 1}, expected_count=1, round_size=2,
+                     cut_off={"a"} if silent else set(), wins_tie=not silent)
+    coordinator = Coordinator(CapturingSocket(), SECRET, state, takeover_cause="a lost")
+    _join_round(coordinator, "b", seated_epoch=1, now=time.monotonic())
+    coordinator._tick(time.monotonic() + 1.0)
+    assert (state.phase == "joining") is silent

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from launcher import failures, recovery
-from launcher.membership import Assignment, Member, assign_ranks
+from launcher.membership import Assignment, Member, assign_ranks, has_quorum
 from launcher.node_policy import Survivor, park_or_stop
 from launcher.rank_env import Attempt, rank_command, rank_env
 
@@ -458,3 +458,18 @@ def test_a_survivor_stuck_in_native_code_is_replaced_without_waiting_for_the_dea
     assert park_or_stop([stuck, parked, leaving], "rank", now=0.0, deadline=60.0) is None
     late = park_or_stop([stuck, parked, leaving], "rank", now=60.0, deadline=60.0)
     assert late is not None and late.late == (0, 2) and late.blocked_in == (stuck.stuck, "")
+
+
+@given(st.integers(1, 64), st.data())
+def test_two_sides_of_a_partition_never_both_have_a_quorum(size, data):
+    """A round of ``size`` nodes cut in two (some may have died: both sides know them gone
+    only if their connections closed; here neither does): each side counts its own as
+    seated and the other's as cut off. The side of the round's coordinator wins a tie, the
+    other side's successor does not (its predecessor went silent, it did not die)."""
+    here = data.draw(st.integers(1, size), label="nodes with the coordinator")
+    there = data.draw(st.integers(0, size - here), label="nodes cut off from it")
+    coordinators_side = has_quorum(here, there, wins_tie=True)
+    other_side = there > 0 and has_quorum(there, here, wins_tie=False)
+    assert not (coordinators_side and other_side)
+    if there <= here:
+        assert coordinators_side, "one failure at a time must not stop the side that ran it"

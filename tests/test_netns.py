@@ -71,11 +71,11 @@ def nodes(cluster, launcher_env, tmp_path):
     env = {**launcher_env, "GLOO_SOCKET_IFNAME": "eth0",
            "FTLAUNCH_SECRET": secrets.token_hex(16)}
 
-    def start(k: int, *, steps: int) -> NodeLaunch:
+    def start(k: int, *, steps: int, nnodes: str = "2:3") -> NodeLaunch:
         node = cluster.node(k)
         # last_call is long on purpose: rounds close at once with MAX=3 nodes, or once the
         # survivors are back, so it only matters if a node is slow to start (no scale-up).
-        args = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+        args = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{cluster.node(1).addr}:{PORT}", "--rdzv-id", "job",
                 "--node-timeout", f"{NODE_TIMEOUT:g}", "--heartbeat-interval", "0.2",
                 "--rdzv-conf", "last_call_timeout=10,join_timeout=30",
@@ -178,6 +178,32 @@ def test_partitioned_node_is_dropped_and_survivors_finish(nodes, cluster, launch
         while cluster.node(3).pids() and time.monotonic() < deadline:
             time.sleep(0.05)  # the namespace's process list: there is no event to wait on
         assert cluster.node(3).pids() == [], "processes left in the partitioned namespace"
+
+
+@pytest.mark.timeout(150)
+def test_a_two_machine_job_cut_in_two_trains_on_one_side_only(nodes, cluster, tmp_path):
+    """--nnodes 1:2 and the two machines cut apart: each side alone is enough for MIN, and
+    without a majority rule both would train on, each in a world of 1, the successor writing
+    checkpoints of the same steps into the same directory. The coordinator's side (half the
+    round, and the side that ran it) goes on; the successor's holds its round until the
+    partition heals, then stands down and joins the job, which grows back to two."""
+    steps = 300
+    first, second = (nodes(k, steps=steps, nnodes="1:2") for k in (1, 2))
+    for run in (first, second):
+        run.wait_for(r"\[rank\d\]: step 15 ", timeout=90)
+    cluster.node(2).partition()
+    try:
+        first.wait_for(r"\[rank0\]: start rank 0 world 1 ", timeout=ACT_WITHIN + 30)
+        second.wait_for(r"rendezvous round held: 1 of the last round's 2 nodes here, 1 lost "
+                        r"silently", timeout=ACT_WITHIN + 30)
+        first.wait_for(r"\[rank0\]: step \d+ ", timeout=30)  # it trains on meanwhile
+    finally:
+        cluster.node(2).heal()
+    second.wait_for(r"\[rank1\]: start rank 1 world 2 ", timeout=60)
+    assert first.finish(timeout=90) == 0, first.output
+    assert second.finish(timeout=30) == 0, second.output
+    assert not re.search(r"start rank \d world 1 ", second.output), second.output
+    assert _result(tmp_path)["final_step"] == steps
 
 
 @pytest.mark.timeout(150)
