@@ -830,10 +830,10 @@ class Coordinator:
     def _quorum(self) -> bool:
         """More of the last round's nodes here than may train on cut off (has_quorum); the
         round waits otherwise, for them to come back, until the join timeout. One lost
-        silently that joins again is here, not there."""
+        silently that speaks to us again (seated, or a spare now) is here, not there."""
         s = self._state
         seated = len(s.round_joined & (s.expected | s.cut_off))
-        away = len(s.cut_off - s.round_joined)
+        away = len(s.cut_off - s.members.keys())
         if not s.round_size or membership.has_quorum(seated, away, s.wins_tie):
             return True
         if not self._short_of_quorum:

@@ -617,18 +617,30 @@ def wait_recovered(job: Job, injected: Injected, timeout: float = 120) -> None:
         del codes
         job.start()
         return
-    deadline = time.monotonic() + timeout
+    deadline, healed = time.monotonic() + timeout, False
     while not any(e["event"] == "recovered" and e["ts"] > injected.at
                   for e in read_events(job.work)):
         if time.monotonic() > deadline:
             raise TimeoutError(f"no recovery from {kind} within {timeout}s")
         if not job.alive():
             return  # the budget is spent: the job ended
+        if kind in PARTITIONS and not healed and held(job, injected.at):
+            # Half of the round on each side, the other side's coordinator with the tie: no
+            # side may go on (membership.has_quorum), so the job recovers once healed.
+            rejoin_after_heal(job, job.agent_of(injected.detail))
+            healed = True
         time.sleep(0.05)  # the agents' event files
-    if kind in PARTITIONS:
+    if kind in PARTITIONS and not healed:
         rejoin_after_heal(job, job.agent_of(injected.detail))
     if kind in MULTI_NODE and job.seated():  # (the job may have ended meanwhile)
         job.starts[-1].append(job.spare(len(job.out.lines)))
+
+
+def held(job: Job, since: float) -> bool:
+    """Whether a coordinator said since then that it holds its round for nodes cut off."""
+    with job.out.cond:
+        return any(t > since and "rendezvous round held" in line
+                   for t, _, line in job.out.lines)
 
 
 def rejoin_after_heal(job: Job, agent: subprocess.Popen) -> None:
