@@ -444,7 +444,11 @@ class ControlPlane:
 
     def _died(self, now: float) -> bool:
         """The coordinator's process died (its connection closed while we still heard from
-        it), rather than its machine going silent: a silent one may be cut off, alive."""
+        it), rather than its machine going silent: a silent one may be cut off, alive. The
+        kernel closes a silent machine's connection at least the node timeout less a probe
+        interval after its last packet; a live coordinator acks within half the timeout
+        (ACK_WITHIN), so the two are told apart from a 3 s node timeout on (at 2 s a death
+        may be taken for silence: the successor then holds a tied round, the safe side)."""
         return self.connection_lost and \
             now - self.last_heard < self._node_timeout - probe_interval(self._node_timeout)
 
