@@ -37,7 +37,7 @@ from launcher.coordinator import (
     bind_router,
     connection_monitor,
     keep_alive,
-    probe_interval,
+    went_silent,
 )
 
 log = logging.getLogger("ftlaunch.control")
@@ -445,12 +445,11 @@ class ControlPlane:
     def _died(self, now: float) -> bool:
         """The coordinator's process died (its connection closed while we still heard from
         it), rather than its machine going silent: a silent one may be cut off, alive. The
-        kernel closes a silent machine's connection at least the node timeout less a probe
-        interval after its last packet; a live coordinator acks within half the timeout
-        (ACK_WITHIN), so the two are told apart from a 3 s node timeout on (at 2 s a death
-        may be taken for silence: the successor then holds a tied round, the safe side)."""
-        return self.connection_lost and \
-            now - self.last_heard < self._node_timeout - probe_interval(self._node_timeout)
+        live coordinator acks within half the timeout (ACK_WITHIN), so a death is told apart
+        from silence (went_silent) from a 3 s node timeout on (at 2 s a death may be taken
+        for silence: the successor then holds a tied round, the safe side)."""
+        return self.connection_lost and not went_silent(now - self.last_heard,
+                                                        self._node_timeout)
 
     def close(self) -> None:
         """Hosting, wait (up to the node timeout) until the job no longer needs us: a node

@@ -156,6 +156,13 @@ def probe_interval(node_timeout: float) -> int:
     return max(1, int(node_timeout / 5))
 
 
+def went_silent(quiet: float, node_timeout: float) -> bool:
+    """Whether a connection that closed after ``quiet`` seconds without a word was closed by
+    the kernel for a silent machine (TCP_USER_TIMEOUT counts from its last packet, at least
+    the node timeout less a probe interval), not by a peer process that died."""
+    return quiet >= node_timeout - probe_interval(node_timeout)
+
+
 _monitors = itertools.count()
 
 
@@ -820,12 +827,11 @@ class Coordinator:
         reason = membership.round_complete(s.round_joined, s.expected, s.min_nodes,
                                            s.max_nodes, s.min_reached_at, now, s.last_call,
                                            s.expected_count)
-        if reason is not None and not self._quorum():
+        if reason is None or not self._quorum():
             return False
-        if reason is not None:
-            log.info("rendezvous round closed: %s", reason)
-            self._complete_round(now)
-        return reason is not None
+        log.info("rendezvous round closed: %s", reason)
+        self._complete_round(now)
+        return True
 
     def _quorum(self) -> bool:
         """More of the last round's nodes here than may train on cut off (has_quorum); the
@@ -852,7 +858,7 @@ class Coordinator:
         node = next((n for n, i in s.identities.items() if i == identity), None)
         if node is None or node == s.host_node or s.final is not None or node in s.leaving:
             return  # not a member (a status query, a spare's old link), or on its way out
-        silent = now - s.last_seen.get(node, now) >= s.node_timeout - probe_interval(s.node_timeout)
+        silent = went_silent(now - s.last_seen.get(node, now), s.node_timeout)
         why = f"nothing from its machine for {s.node_timeout:g}s" if silent \
             else "its agent's connection closed"
         self._lose(node, now, f"node {node} lost ({why})", silent)
