@@ -190,12 +190,14 @@ class ControlPlane:
         state.host_node = self.node_id
         return state
 
-    def _host(self, sock: zmq.Socket, state: JobState, takeover: str | None = None) -> None:
+    def _host(self, sock: zmq.Socket, state: JobState, takeover: str | None = None,
+              predecessors: tuple[str, ...] = ()) -> None:
         """``takeover``: as a successor, which also tells the rendezvous endpoint where the
-        job now runs (whatever comes up there next is sent here)."""
-        announce = (self._rendezvous, Redirect(coordinator_node=self.node_id, addr=self.addr,
-                                               port=self.standby_port)) \
-            if takeover and self._rendezvous else None
+        job now runs (whatever comes up there next is sent here), and ``predecessors`` that
+        went silent (cut off, one may hold the tie: then we stand down once it answers)."""
+        endpoints = tuple(e for e in (self._rendezvous, *predecessors) if e) if takeover else ()
+        announce = (endpoints, Redirect(coordinator_node=self.node_id, addr=self.addr,
+                                        port=self.standby_port)) if endpoints else None
         if self.coordinator is not None:  # ours at the endpoint, redirecting: newcomers ask it
             self._redirecting = self.coordinator
         room_for_connections(state.max_nodes, self._watching)
@@ -420,9 +422,12 @@ class ControlPlane:
             # counted in group_world_size any more.
             state.expected_count = group_world_size - sum(m.node_id in self._lost
                                                           for m in self.members)
-            state.round_size = group_world_size
-            state.cut_off = self._cut_off & {m.node_id for m in self.members}
-            state.wins_tie = not state.cut_off
+            # The quorum (membership.has_quorum): the coordinators we lost are of the last
+            # round; those that died train nowhere, one gone silent may on the other side.
+            named = {m.node_id for m in self.members}
+            state.electorate, state.electorate_epoch = group_world_size, epoch
+            state.gone = (self._lost - self._cut_off) & named
+            state.wins_tie = not self._cut_off & named
             now = time.monotonic()
             for rank, (node, _, port) in enumerate(self.members):
                 if node in self._lost:
@@ -430,7 +435,10 @@ class ControlPlane:
                 state.group_ranks[node] = rank
                 state.standby_ports[node] = port
                 state.last_seen[node] = now
-            self._host(self.standby, state, takeover=f"coordinator node {self.coordinator_node} lost")
+            silent = tuple(f"tcp://{m.addr}:{m.standby_port}" for m in self.members
+                           if m.node_id in self._cut_off and m.standby_port)
+            self._host(self.standby, state, f"coordinator node {self.coordinator_node} lost",
+                       silent)
             self.standby = None
         endpoint = f"tcp://{entry.addr}:{entry.standby_port}"
         self._unheard = True

@@ -146,8 +146,11 @@ class JobState:
     node_status: dict[str, tuple[str, RankStates]] = field(default_factory=dict)  # heartbeats
     assigns: dict[str, Assign] = field(default_factory=dict)  # the running round's, by node
     start: Start | None = None  # the running round's, once given
-    round_size: int = 0  # nodes of the last round closed (0: none yet; see has_quorum)
-    cut_off: set[str] = field(default_factory=set)  # of them, lost silently: maybe training on
+    # The quorum a round needs (see membership.has_quorum):
+    electorate: int = 0  # nodes of the last round closed (0: none yet)
+    electorate_epoch: int = -1  # its epoch: a join seated in it is one of them
+    back: set[str] = field(default_factory=set)  # of them, heard since the round opened
+    gone: set[str] = field(default_factory=set)  # of them, known not to train on anywhere
     wins_tie: bool = True  # half of them suffice: we ran it, or our predecessor died
 
 
@@ -214,9 +217,10 @@ class Coordinator:
 
     def __init__(self, sock: zmq.Socket, secret: bytes, state: JobState,
                  takeover_cause: str | None = None,
-                 announce: tuple[str, Redirect] | None = None):
-        """``announce``: (the rendezvous endpoint, where we are): a successor tells whatever
-        comes up there (a re-created pod 0, a restarted agent) that the job runs here."""
+                 announce: tuple[tuple[str, ...], Redirect] | None = None):
+        """``announce``: (endpoints, where we are): a successor tells whatever comes up at the
+        rendezvous endpoint (a re-created pod 0, a restarted agent) that the job runs here,
+        and a predecessor that went silent (maybe cut off, and holding the tie of a round)."""
         self._codec = Codec(secret)
         self._state = state
         self._socket = sock
@@ -227,17 +231,17 @@ class Coordinator:
                                         daemon=True)
         self._fds: dict[bytes, int] = {}  # a peer's connection (its file descriptor)
         self._beats: dict[bytes, tuple[float, float]] = {}  # a connection's last ack and beat
-        self._announcer: zmq.Socket | None = None
+        self._announcers: dict[zmq.Socket, str] = {}  # to each endpoint, a socket
         self._announcement = announce[1] if announce else None
-        self._rendezvous = announce[0] if announce else ""
         self._rounds = 0  # rounds this coordinator formed
         self._short_of_quorum = False  # said so, for the round forming
         self._pace = pace(state.max_nodes)
-        if announce:
-            self._announcer = sock.context.socket(zmq.DEALER)
-            self._announcer.setsockopt(zmq.LINGER, 0)
-            self._announcer.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued while no one is there
-            self._announcer.connect(announce[0])
+        for endpoint in announce[0] if announce else ():
+            announcer = sock.context.socket(zmq.DEALER)
+            announcer.setsockopt(zmq.LINGER, 0)
+            announcer.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued while no one is there
+            announcer.connect(endpoint)
+            self._announcers[announcer] = endpoint
         if takeover_cause:
             self._recover_from(f"{takeover_cause}", time.monotonic())
 
@@ -254,7 +258,7 @@ class Coordinator:
         to its socket waits for the next coordinator on it: agents reach a node's standby
         socket only following it as their successor, which it may become (the endpoint's
         node lost), and their joins must not be sent back to the endpoint."""
-        return self._announcer is not None and self._state.redirect is not None
+        return bool(self._announcers) and self._state.redirect is not None
 
     @property
     def redirect(self) -> Envelope | None:
@@ -267,9 +271,9 @@ class Coordinator:
         self._stopping.set()
         if self._thread.ident is not None:  # (started)
             self._thread.join(timeout=5)
-        if self._announcer is not None:
-            self._announcer.close()
-            self._announcer = None
+        for announcer in self._announcers:
+            announcer.close()
+        self._announcers.clear()
         return self._socket
 
     @property
@@ -310,8 +314,8 @@ class Coordinator:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        if self._announcer is not None:
-            poller.register(self._announcer, zmq.POLLIN)
+        for announcer in self._announcers:
+            poller.register(announcer, zmq.POLLIN)
         try:
             self._serve_with(poller, monitor)
         finally:  # a monitor left open would block the context's term()
@@ -326,8 +330,8 @@ class Coordinator:
                 woke = time.monotonic()
                 if monitor in ready:  # first: a fd closed may be reused below
                     self._closed_connections(monitor)
-                if self._announcer in ready:
-                    self._answers_to_announcement()
+                for announcer in self._announcers.keys() & ready.keys():
+                    self._answers_to_announcement(announcer)
                 emptied = self._drain()
                 if self._state.phase == RoundPhase.JOINING and self._state.final is None:
                     self._maybe_complete_round(time.monotonic())  # not a tick later
@@ -354,38 +358,39 @@ class Coordinator:
                 self._beats.pop(identity, None)
                 self._disconnected(identity, time.monotonic())
     def _announce(self) -> None:
-        if self._announcer is not None and self._announcement is not None \
-                and self._state.final is None and self._state.redirect is None:
+        if self._announcement is None or self._state.final is not None \
+                or self._state.redirect is not None:
+            return
+        frames = self._codec.encode(self._announcement, self._state.epoch)
+        for announcer in self._announcers:
             with contextlib.suppress(zmq.Again):  # no one at the endpoint (yet)
-                self._announcer.send_multipart(
-                    self._codec.encode(self._announcement, self._state.epoch), zmq.NOBLOCK)
+                announcer.send_multipart(frames, zmq.NOBLOCK)
 
-    def _answers_to_announcement(self) -> None:
-        """The endpoint's coordinator still runs the job, or knows who does (we took over
-        from inside a partition: the others went on without our node). Having formed no
-        round, or none that any other node is still in, we stand down: our agents are sent
-        to the endpoint, where they join again (as spares, or to scale the job up) instead
-        of waiting for a round that never forms."""
-        assert self._announcer is not None
+    def _answers_to_announcement(self, announcer: zmq.Socket) -> None:
+        """The coordinator there still runs the job, or knows who does (we took over from
+        inside a partition, and the others went on without our node; or our predecessor,
+        cut off, kept the job on the tie). Having formed no round, or none that any other node
+        is still in, we stand down: our agents are sent there, where they join again (as
+        spares, or to scale the job up) instead of waiting for a round that never forms."""
         while True:
             try:
-                frames = self._announcer.recv_multipart(zmq.NOBLOCK)
+                frames = announcer.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
                 msg = self._codec.decode(frames).body
             except ProtocolError as e:
-                log.warning("dropped an answer from the rendezvous endpoint: %s", e)
+                log.warning("dropped an answer from %s: %s", self._announcers[announcer], e)
                 continue
             s = self._state
             if not isinstance(msg, Redirect) or (self._rounds and not self._alone()) \
                     or s.redirect is not None or s.final is not None \
                     or msg.coordinator_node == s.host_node:
                 continue
-            host, _, port = self._rendezvous.removeprefix("tcp://").rpartition(":")
-            log.warning("the job still runs under coordinator node %s at the rendezvous "
-                        "endpoint: standing down, sending our agents there",
-                        msg.coordinator_node)
+            endpoint = self._announcers[announcer]
+            host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+            log.warning("the job still runs under coordinator node %s, says %s: standing "
+                        "down, sending our agents there", msg.coordinator_node, endpoint)
             s.redirect = Redirect(coordinator_node=msg.coordinator_node, addr=host,
                                   port=int(port))
             self._broadcast(s.redirect)
@@ -439,9 +444,13 @@ class Coordinator:
 
     def _seen(self, node: str, now: float) -> None:
         """Heard from ``node``: last_seen stays in the order nodes were heard (oldest first),
-        so the liveness tick reads only the silent ones."""
-        self._state.last_seen.pop(node, None)
-        self._state.last_seen[node] = now
+        so the liveness tick reads only the silent ones. One of the last round heard while
+        a round forms is on our side of any partition (see _quorum)."""
+        s = self._state
+        s.last_seen.pop(node, None)
+        s.last_seen[node] = now
+        if s.phase == RoundPhase.JOINING and node in s.group_ranks:
+            s.back.add(node)
 
     # --- messages ------------------------------------------------------------------------
 
@@ -539,6 +548,8 @@ class Coordinator:
         s.replica_ports[node], s.held[node] = msg.replica_port, msg.held
         s.identities[node] = identity
         self._seen(node, now)
+        if s.phase == RoundPhase.JOINING and msg.seated_epoch == s.electorate_epoch:
+            s.back.add(node)  # of the last round, if a takeover's assign did not name it
         # A coordinator that started afresh (its node re-created) learns the job's restarts.
         s.restart_count = max(s.restart_count, msg.restart_count)
         if (s.phase == RoundPhase.JOINING and msg.seated_epoch == s.epoch
@@ -627,6 +638,7 @@ class Coordinator:
         s = self._state
         for node in s.leaving:
             if s.group_ranks.pop(node, None) is not None:
+                s.gone.add(node)  # it left by a signal: it trains nowhere
                 s.expected.discard(node)
                 s.expected_count = max(0, s.expected_count - 1)
         s.leaving.clear()
@@ -663,6 +675,7 @@ class Coordinator:
                                       restart_count=restart_count, delay=delay, cause=cause))
         s.phase = RoundPhase.JOINING
         s.round_joined.clear()
+        s.back.clear()  # each survivor is heard again
         s.joining_since = now
         s.min_reached_at = None
         if newcomer:
@@ -692,7 +705,7 @@ class Coordinator:
         self._rounds += 1
         s.epoch += 1
         s.expected_count = 0
-        s.cut_off, s.wins_tie = set(), True
+        s.back, s.gone, s.wins_tie = set(), set(), True
         self._short_of_quorum = False
         s.finished.clear()
         s.first_finished_at = None
@@ -701,7 +714,7 @@ class Coordinator:
         assignments = membership.assign_ranks([s.members[n] for n in s.round_joined],
                                               s.group_ranks)
         s.group_ranks = {a.node_id: a.group_rank for a in assignments}
-        s.round_size = len(assignments)
+        s.electorate, s.electorate_epoch = len(assignments), s.epoch
         if assignments and assignments[0].world_size != s.commits.world_size:
             s.commits = CommitLog(assignments[0].world_size)  # shards of another world differ
             s.copies = CommitLog(assignments[0].world_size)
@@ -798,8 +811,8 @@ class Coordinator:
         if (s.final is None and s.phase == RoundPhase.JOINING
                 and not self._maybe_complete_round(now)
                 and now - s.joining_since > s.join_timeout):
-            short = f" ({len(s.cut_off)} of the last round's {s.round_size} nodes lost silently, " \
-                "maybe behind a partition: a round needs more of them)" \
+            short = f" (only {len(s.back)} of the last round's {s.electorate} nodes came back, " \
+                "the others maybe behind a partition: a round needs more of them)" \
                 if self._short_of_quorum else ""
             self._finish(exit_codes.JOB_FAILED,
                          f"rendezvous timed out: {len(s.round_joined)} of at least "
@@ -834,19 +847,17 @@ class Coordinator:
         return True
 
     def _quorum(self) -> bool:
-        """More of the last round's nodes here than may train on cut off (has_quorum); the
-        round waits otherwise, for them to come back, until the join timeout. One lost
-        silently that speaks to us again (seated, or a spare now) is here, not there."""
+        """More of the last round back than may train on cut off (membership.has_quorum);
+        the round waits otherwise, for them to come back, until the join timeout."""
         s = self._state
-        seated = len(s.round_joined & (s.expected | s.cut_off))
-        away = len(s.cut_off - s.members.keys())
-        if not s.round_size or membership.has_quorum(seated, away, s.wins_tie):
+        back = len(s.back | ({s.host_node} & s.group_ranks.keys()))  # our own node is here
+        if membership.has_quorum(s.electorate, back, len(s.gone), s.wins_tie):
             return True
         if not self._short_of_quorum:
             self._short_of_quorum = True
-            log.warning("rendezvous round held: %d of the last round's %d nodes here, %d lost "
-                        "silently may go on behind a partition; waiting for them", seated,
-                        s.round_size, away)
+            log.warning("rendezvous round held: %d of the last round's %d nodes here, %d may "
+                        "go on behind a partition; waiting for them", back, s.electorate,
+                        s.electorate - back - len(s.gone))
         return False
 
     def _disconnected(self, identity: bytes, now: float) -> None:
@@ -875,9 +886,10 @@ class Coordinator:
                       s.replica_ports):
             table.pop(node, None)
         s.round_joined.discard(node)
+        s.back.discard(node)
         if node in s.group_ranks:
-            if silent:
-                s.cut_off.add(node)
+            if not silent:  # its process died, or it was excluded: it trains nowhere
+                s.gone.add(node)
             in_round = s.phase in (RoundPhase.WAITING_STORE, RoundPhase.RUNNING)
             del s.group_ranks[node]
             if in_round:

@@ -73,15 +73,16 @@ def round_complete(joined: set[str], expected: set[str], min_nodes: int, max_nod
     return None
 
 
-def has_quorum(seated: int, cut_off: int, wins_tie: bool) -> bool:
-    """Whether a round may close with ``seated`` nodes of the last round while ``cut_off``
-    others of it were lost silently. A machine gone silent may be alive behind a partition,
-    and its side may form a round of its own: the side with more of the last round's nodes
-    goes on, a tie to the side whose coordinator ran that round (a successor's only if its
-    predecessor died: its connection closed while it was still heard from). Nodes known
-    gone (closed connections, excluded, leaving) count for neither side, so one failure at a
-    time never stops a job; two sides of one partition never both train."""
-    return seated > cut_off or (seated == cut_off and wins_tie)
+def has_quorum(electorate: int, here: int, gone: int, wins_tie: bool) -> bool:
+    """Whether a round may close with ``here`` of the last round's ``electorate`` nodes back
+    in it. The rest may be alive behind a partition, their side forming a round of its own,
+    unless known ``gone`` (their connections closed while they were still heard from, or
+    excluded): the side with more of the last round than may be on the other goes on, a tie
+    to the side that holds it (the coordinator that ran the round; its successor only if that
+    one died). Two sides of one partition never both close a round, and one failure at a time
+    never stops the side that ran it. No electorate (no round closed yet): any round."""
+    away = electorate - here - gone
+    return not electorate or here > away or (here == away and wins_tie)
 
 
 HEARTBEATS_PER_SECOND = 1024

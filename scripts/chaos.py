@@ -102,11 +102,28 @@ def draw_schedule(seed: int, faults: int, kinds: tuple[str, ...], world: int, no
 # ---- what a run leaves to check ------------------------------------------------------------
 
 @dataclass
+class Cut:
+    """A partition's view to set aside, not the job's: the node cut off sees every other lost
+    from the cut on (it may fail over to itself, then stand down once healed). Unless its
+    side kept the job (the coordinator's node, on the tie of a round of two): then the
+    other side's view, until they all stood down and re-joined (``kept_until``)."""
+
+    log: str  # the log dir of the agent cut off
+    at: float
+    kept_until: float | None = None
+
+    def hides(self, event: dict) -> bool:
+        if self.kept_until is None:
+            return event["node"] == self.log and event["ts"] >= self.at
+        return event["node"] != self.log and self.at <= event["ts"] < self.kept_until
+
+
+@dataclass
 class Injected:
     fault: Fault
     at: float  # time.time() of the injection
     detail: str = ""  # the pid or node it hit
-    cut_off: str = ""  # a partition: the log dir of the agent cut off (its view is not the job's)
+    cut: Cut | None = None  # a partition's
 
 
 @dataclass
@@ -202,6 +219,10 @@ CAUSES = {  # what a recovery's cause says for each fault kind
 }
 
 
+KEPT = r"^node (?!{node} )\S+ lost \((?!.*connection closed)"  # the cut side kept the job:
+# its coordinator found a node of the other side silent
+
+
 FAILOVER = re.compile(r"coordinator node (\S+) lost")
 
 
@@ -222,14 +243,12 @@ def recoveries(events: list[dict]) -> list[dict]:
 
 
 def job_events(run: Run) -> list[dict]:
-    return outside_cuts(run.events, [(inj.cut_off, inj.at) for inj in run.injected if inj.cut_off])
+    return outside_cuts(run.events, [inj.cut for inj in run.injected if inj.cut])
 
 
-def outside_cuts(events: list[dict], cuts: list[tuple[str, float]]) -> list[dict]:
-    """The events of the nodes in the job: a node cut off by a partition sees everyone else
-    lost (it may fail over to itself, then stand down once healed) from the cut on; that is
-    its view, not the job's."""
-    return [e for e in events if not any(e["node"] == log and e["ts"] >= at for log, at in cuts)]
+def outside_cuts(events: list[dict], cuts: list[Cut]) -> list[dict]:
+    """The events of the nodes in the job, not those of a side a partition cut off."""
+    return [e for e in events if not any(cut.hides(e) for cut in cuts)]
 
 
 def check_recoveries(run: Run, ref: Reference) -> str | None:
@@ -248,7 +267,9 @@ def check_recoveries(run: Run, ref: Reference) -> str | None:
         if len(within) != 1:
             causes = [r["cause"] for r in within]
             return f"{inj.fault.kind} at step {inj.fault.step}: {len(within)} recoveries {causes}"
-        pattern = CAUSES[inj.fault.kind].format(rank=inj.fault.target, node=re.escape(inj.detail))
+        kept = inj.cut is not None and inj.cut.kept_until is not None
+        pattern = (KEPT if kept else CAUSES[inj.fault.kind]).format(
+            rank=inj.fault.target, node=re.escape(inj.detail))
         if not re.search(pattern, within[0]["cause"]):
             return f"{inj.fault.kind} of {inj.detail or inj.fault.target}: recovery cause " \
                    f"{within[0]['cause']!r} does not name it"
@@ -392,7 +413,7 @@ class Job:
         self.placed: dict[int, netns.Node] = {}  # agent pid -> the namespace it runs in
         self.unseated: dict[int, int] = {}  # agent pid -> its output's length when a
         # partition dropped it from the job (a rank it starts after that seats it again)
-        self.cuts: list[tuple[str, float]] = []  # (log dir, when): agents a partition cut off
+        self.cuts: list[Cut] = []  # agents a partition cut off
         self.stranded: list[str] = []  # what a healed agent did wrong
         self.host = "127.0.0.1"  # where the rendezvous endpoint is
         if opts.in_netns:  # one "machine" per agent that may be alive at once, reused after
@@ -572,8 +593,8 @@ def inject(job: Job, fault: Fault) -> Injected:
         victim = host if kind == "coordinator-partition" else others[target % len(others)]
         job.unseated[victim.pid] = len(job.out.lines)
         job.placed[victim.pid].partition()
-        job.cuts.append((f"agent{job.agents.index(victim)}", at))
-        return Injected(fault, at, job.node_id(victim), job.cuts[-1][0])
+        job.cuts.append(Cut(f"agent{job.agents.index(victim)}", at))
+        return Injected(fault, at, job.node_id(victim), job.cuts[-1])
     if kind == "loss":
         seated = job.seated()
         victim = seated[target % len(seated)]
@@ -627,11 +648,11 @@ def wait_recovered(job: Job, injected: Injected, timeout: float = 120) -> None:
         if kind in PARTITIONS and not healed and held(job, injected.at):
             # Half of the round on each side, the other side's coordinator with the tie: no
             # side may go on (membership.has_quorum), so the job recovers once healed.
-            rejoin_after_heal(job, job.agent_of(injected.detail))
+            rejoin_after_heal(job, job.agent_of(injected.detail), injected.cut)
             healed = True
         time.sleep(0.05)  # the agents' event files
     if kind in PARTITIONS and not healed:
-        rejoin_after_heal(job, job.agent_of(injected.detail))
+        rejoin_after_heal(job, job.agent_of(injected.detail), injected.cut)
     if kind in MULTI_NODE and job.seated():  # (the job may have ended meanwhile)
         job.starts[-1].append(job.spare(len(job.out.lines)))
 
@@ -643,30 +664,56 @@ def held(job: Job, since: float) -> bool:
                    for t, _, line in job.out.lines)
 
 
-def rejoin_after_heal(job: Job, agent: subprocess.Popen) -> None:
+def rejoin_after_heal(job: Job, agent: subprocess.Popen, cut: Cut | None) -> None:
     """Heal the partition; its agent must learn that the job went on without it within
     HEAL_WITHIN, and wait as a spare or leave (its exit code is checked with the others').
-    One that does neither is stranded, and killed like a dead machine."""
+    Or its side kept the job (the coordinator's node, holding the tie): then the other side
+    stands down, and each of its agents must wait as a spare or start ranks again. One that
+    does neither is stranded, and killed like a dead machine."""
     mark = len(job.out.lines)
     job.placed[agent.pid].heal()
-    try:
-        job.out.wait(r"waiting as a spare", mark, HEAL_WITHIN, node=job.agents.index(agent))
-    except EOFError:
-        return
-    except TimeoutError:
-        from launcher.stacks import capture
+    cut_off = job.agents.index(agent)
+    deadline = time.monotonic() + HEAL_WITHIN
+    since = mark
+    while True:  # it waits as a spare, or another node stands down
+        try:
+            i, m = job.out.wait(r"waiting as a spare|standing down", since,
+                                max(0.0, deadline - time.monotonic()))
+        except (EOFError, TimeoutError):
+            if cut_off not in job.out.ended:  # (else it left: its exit code is checked)
+                strand(job, agent)
+            return
+        node, since = job.out.lines[i][1], i + 1
+        if m[0] == "standing down" and node != cut_off:
+            break
+        if node == cut_off and m[0] != "standing down":
+            return  # it re-joined the job as a spare
+    for other in [p for p in job.alive() if p is not agent]:  # its side kept the job
+        try:
+            job.out.wait(rf"waiting as a spare|{START.pattern}", mark,
+                         max(0.0, deadline - time.monotonic()), node=job.agents.index(other))
+        except EOFError:
+            continue
+        except TimeoutError:
+            strand(job, other)
+    if cut is not None:
+        cut.kept_until = time.time()
 
-        stacks = job.work / "logs" / f"stranded-{agent.pid}.txt"  # where its loop was
-        job.stranded.append(f"{job.node_id(agent)} neither re-joined nor left within "
-                            f"{HEAL_WITHIN:g}s of the heal; its stacks: "
-                            f"{capture(agent.pid, stacks, 'py-spy', armed=False)}")
-        job.killed.add(agent.pid)
-        os.killpg(agent.pid, signal.SIGKILL)
-        agent.wait()
-        # Stranded is what failed: its staging and record go with it, like a dead machine's.
-        for path in [*Path("/dev/shm").glob(f"ftlaunch-staging-{agent.pid}-*"),
-                     *(job.work / "runtime").glob(f"*.{agent.pid}.json")]:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+def strand(job: Job, agent: subprocess.Popen) -> None:
+    from launcher.stacks import capture
+
+    stacks = job.work / "logs" / f"stranded-{agent.pid}.txt"  # where its loop was
+    job.stranded.append(f"{job.node_id(agent)} neither re-joined nor left within "
+                        f"{HEAL_WITHIN:g}s of the heal; its stacks: "
+                        f"{capture(agent.pid, stacks, 'py-spy', armed=False)}")
+    job.killed.add(agent.pid)
+    os.killpg(agent.pid, signal.SIGKILL)
+    agent.wait()
+    # Stranded is what failed: its staging and record go with it, like a dead machine's.
+    for path in [*Path("/dev/shm").glob(f"ftlaunch-staging-{agent.pid}-*"),
+                 *(job.work / "runtime").glob(f"*.{agent.pid}.json")]:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def run_job(opts: Options, work: Path) -> Run:

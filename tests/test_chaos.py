@@ -158,8 +158,8 @@ def test_a_coordinator_loss_counts_once_however_many_survivors_log_it():
 def network_run(kind: str, **fault) -> chaos.Run:
     """good_run with its kill replaced by ``kind`` of node2 (agent1's log) at step 12."""
     run, _ = good_run()
-    cut_off = "agent1" if kind == "partition" else ""
-    injected = [chaos.Injected(chaos.Fault(kind, 12, 1, **fault), T0 + 12.05, "node2:7", cut_off)]
+    cut = chaos.Cut("agent1", T0 + 12.05) if kind in chaos.PARTITIONS else None
+    injected = [chaos.Injected(chaos.Fault(kind, 12, 1, **fault), T0 + 12.05, "node2:7", cut)]
     events = [{**e, "node": "agent0"} for e in run.events]
     if kind == "loss":
         events = [e for e in events if e["event"] not in ("recovering", "recovered")]
@@ -193,6 +193,31 @@ def test_a_partition_needs_one_recovery_naming_the_cut_off_node_as_lost():
     assert "does not name it" in gone
     twice = [*run.events, {**ghost[1], "node": "agent0", "restart_count": 2}]
     assert "2 recoveries" in recoveries_verdict(run, events=twice)
+
+
+def test_a_coordinator_cut_off_that_kept_the_job_on_the_tie_needs_one_recovery_of_its_own():
+    """A round of two, its coordinator's node (node2, agent1) cut off: the other side's
+    successor holds its round (half, no tie), node2 goes on with a spare. The other side's
+    view until it stood down and re-joined is set aside; node2's recovery, finding the other
+    node silent, is the job's."""
+    run = network_run("coordinator-partition")
+    run.injected[0].cut.kept_until = T0 + 16
+    kept = [{**e, "node": "agent1", "cause": "node node3:9 lost (nothing from its machine "
+             "for 2s)"} if e["event"] == "recovering" else e for e in run.events]
+    held = [{"ts": T0 + 14, "event": "coordinator_lost", "node": "agent0", "lost": "node2:7",
+             "successor": "node3:9"},
+            {"ts": T0 + 14, "event": "recovering", "node": "agent0", "restart_count": 1,
+             "policy": "rank", "cause": "coordinator node node2:7 lost"},
+            {"ts": T0 + 15.5, "event": "recovering", "node": "agent0", "restart_count": 1,
+             "policy": "rank", "cause": "node node3:9 was dropped from the job; re-joining"}]
+    assert recoveries_verdict(run, events=[*kept, *held]) is None
+    late = [*kept, {**held[2], "ts": T0 + 16.5}]  # after it re-joined: the job's, and wrong
+    assert "2 recoveries" in recoveries_verdict(run, events=late)
+    itself = [{**e, "cause": "node node2:7 lost (nothing from its machine for 2s)"}
+              if e["event"] == "recovering" else e for e in kept]
+    assert "does not name it" in recoveries_verdict(run, events=itself)
+    run.injected[0].cut.kept_until = None  # not kept: the other side's failover is the job's
+    assert "2 recoveries" in recoveries_verdict(run, events=[*kept, *held])
 
 
 def test_packet_loss_needs_no_recovery():

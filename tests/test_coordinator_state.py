@@ -687,16 +687,33 @@ def test_a_partition_leaves_the_round_to_the_side_with_most_of_its_nodes(caplog)
     state = coordinator._state
     with caplog.at_level(logging.WARNING, logger="ftlaunch.coordinator"):
         _silent_but(coordinator, "a", 7.0)
-        assert state.phase == "joining" and state.cut_off == {"b", "c"}
+        assert state.phase == "joining" and state.gone == set()
         _join_round(coordinator, "a", seated_epoch=1, now=7.1)
         _silent_but(coordinator, "a", 9.0)  # well past the last call
     assert state.phase == "joining", "a minority closed a round"
-    assert "rendezvous round held: 1 of the last round's 3 nodes here, 2 lost silently" \
+    assert "rendezvous round held: 1 of the last round's 3 nodes here, 2 may go on" \
         in caplog.text
-    _join_round(coordinator, "b", seated_epoch=-1, now=9.1)  # healed: b was dropped, joins
+    _join_round(coordinator, "b", seated_epoch=1, now=9.1)  # healed: b was dropped, joins
     _silent_but(coordinator, "ab", 9.7)
     assert state.phase == "waiting_store" and sorted(state.group_ranks) == ["a", "b"]
-    assert state.cut_off == set(), "a new round: its own count"
+    assert (state.electorate, state.back) == (2, set()), "a new round: its own count"
+
+
+def test_nodes_not_yet_found_silent_are_not_counted_on_our_side():
+    """1:3, and a's ranks fail (stuck in a collective with b and c, cut off) before b and c
+    are found silent: the round must not close with a alone on the strength of nodes that
+    only have not timed out yet (b's side, taking over, would count them too). Heard from
+    since the round opened, one is with us."""
+    coordinator = _elastic_job("abc")
+    state = coordinator._state
+    _silent_but(coordinator, "abc", 1.9)  # their last beats before the cut
+    coordinator._recover_from("rank 0 (node a) hung", 2.0)
+    _join_round(coordinator, "a", seated_epoch=1, now=2.1)
+    _silent_but(coordinator, "a", 3.0)
+    assert state.phase == "joining" and state.back == {"a"}
+    _join_round(coordinator, "b", seated_epoch=1, now=3.1)
+    _silent_but(coordinator, "abc", 3.7)
+    assert state.phase == "waiting_store" and sorted(state.group_ranks) == ["a", "b"]
 
 
 def test_nodes_whose_agents_died_count_for_no_side():
@@ -706,7 +723,7 @@ def test_nodes_whose_agents_died_count_for_no_side():
     state = coordinator._state
     coordinator._disconnected(b"b", 2.0)
     coordinator._disconnected(b"c", 2.0)
-    assert state.cut_off == set()
+    assert state.gone == {"b", "c"}
     _join_round(coordinator, "a", seated_epoch=1, now=2.1)
     _silent_but(coordinator, "a", 2.7)
     assert state.phase == "waiting_store" and list(state.group_ranks) == ["a"]
@@ -718,7 +735,7 @@ def test_half_the_round_goes_on_on_the_side_that_ran_it():
     coordinator = _elastic_job("ab")
     state = coordinator._state
     _silent_but(coordinator, "a", 7.0)
-    assert state.cut_off == {"b"}
+    assert state.phase == "joining" and state.gone == set()
     _join_round(coordinator, "a", seated_epoch=1, now=7.1)
     _silent_but(coordinator, "a", 7.7)
     assert state.phase == "waiting_store" and list(state.group_ranks) == ["a"]
@@ -732,9 +749,31 @@ def test_a_successor_takes_half_the_round_only_if_its_predecessor_died(predecess
     state = JobState(min_nodes=1, max_nodes=2, max_restarts=5, policy="rank", backoff=0.0,
                      backoff_max=0.0, exit_barrier_timeout=30.0, node_timeout=5.0,
                      last_call=0.5, join_timeout=60.0, host_node="b", joining_since=0.0,
-                     epoch=1, group_ranks={"b": 1}, expected_count=1, round_size=2,
-                     cut_off={"a"} if silent else set(), wins_tie=not silent)
+                     epoch=1, group_ranks={"b": 1}, expected_count=1, electorate=2,
+                     electorate_epoch=1, gone=set() if silent else {"a"}, wins_tie=not silent)
     coordinator = Coordinator(CapturingSocket(), SECRET, state, takeover_cause="a lost")
     _join_round(coordinator, "b", seated_epoch=1, now=time.monotonic())
     coordinator._tick(time.monotonic() + 1.0)
     assert (state.phase == "joining") is silent
+
+
+def test_a_successor_counts_survivors_its_assign_did_not_name():
+    """A 1:40 job's successor knows 16 of the round's nodes by name: the others count as
+    back by the round they say they held a seat in; a newcomer does not count."""
+    nodes = [f"n{i:02}" for i in range(40)]
+    state = JobState(min_nodes=1, max_nodes=41, max_restarts=5, policy="rank", backoff=0.0,
+                     backoff_max=0.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=0.5, join_timeout=60.0, host_node="n01", joining_since=0.0,
+                     epoch=4, group_ranks={n: i for i, n in enumerate(nodes[1:16], 1)},
+                     expected_count=39, electorate=40, electorate_epoch=4, wins_tie=False)
+    coordinator = Coordinator(CapturingSocket(), SECRET, state, takeover_cause="n00 lost")
+    now = time.monotonic()
+    for node in nodes[1:20]:  # 19 of 40 back, n00 silent: 20 may be on the other side
+        _join_round(coordinator, node, seated_epoch=4, now=now)
+    _join_round(coordinator, "new", seated_epoch=-1, now=now)
+    coordinator._tick(now + 1.0)
+    assert state.phase == "joining" and len(state.back) == 19
+    _join_round(coordinator, "n20", seated_epoch=4, now=now + 1.1)  # 20 of 40, no tie
+    _join_round(coordinator, "n21", seated_epoch=4, now=now + 1.1)
+    coordinator._tick(now + 2.0)
+    assert state.phase == "waiting_store" and "new" in state.group_ranks

@@ -462,14 +462,22 @@ def test_a_survivor_stuck_in_native_code_is_replaced_without_waiting_for_the_dea
 
 @given(st.integers(1, 64), st.data())
 def test_two_sides_of_a_partition_never_both_have_a_quorum(size, data):
-    """A round of ``size`` nodes cut in two (some may have died: both sides know them gone
-    only if their connections closed; here neither does): each side counts its own as
-    seated and the other's as cut off. The side of the round's coordinator wins a tie, the
-    other side's successor does not (its predecessor went silent, it did not die)."""
-    here = data.draw(st.integers(1, size), label="nodes with the coordinator")
-    there = data.draw(st.integers(0, size - here), label="nodes cut off from it")
-    coordinators_side = has_quorum(here, there, wins_tie=True)
-    other_side = there > 0 and has_quorum(there, here, wins_tie=False)
+    """A round of ``size`` nodes: some die, the rest are cut in two. Each side sees some of
+    its own back (not yet all, maybe), knows some of the dead gone (their connections closed
+    while heard from; not all, maybe), and takes no one on the other side for gone. At most
+    one side holds the tie. Never both close a round; and the side that ran the round, with
+    every node of its own back and at least as many as on the other side, always does."""
+    dead = data.draw(st.integers(0, size - 1), label="nodes that died")
+    ours = data.draw(st.integers(1, size - dead), label="nodes with the round's coordinator")
+    theirs = size - dead - ours
+    ours_back = data.draw(st.integers(0, ours), label="back with it")
+    theirs_back = data.draw(st.integers(0, theirs), label="back on the other side")
+    coordinators_side = has_quorum(size, ours_back, data.draw(st.integers(0, dead)), True)
+    other_side = has_quorum(size, theirs_back, data.draw(st.integers(0, dead)), False)
     assert not (coordinators_side and other_side)
-    if there <= here:
-        assert coordinators_side, "one failure at a time must not stop the side that ran it"
+    if ours_back == ours >= theirs:
+        assert has_quorum(size, ours, dead, True), "one failure at a time stops no job"
+
+
+def test_no_round_closed_yet_needs_no_quorum():
+    assert has_quorum(0, 0, 0, wins_tie=False)

@@ -206,7 +206,7 @@ def test_a_node_that_stood_down_leaves_its_standby_socket_to_the_successor_it_ma
     coordinators = []
     try:
         inside = Coordinator(standby, SECRET, _takeover_state({"b": 0}), "coordinator node a lost",
-                             (f"tcp://127.0.0.1:{endpoint_port}",
+                             ((f"tcp://127.0.0.1:{endpoint_port}",),
                               Redirect(coordinator_node="b", addr="127.0.0.1", port=port)))
         coordinators.append(inside)
         inside.start()
@@ -361,7 +361,7 @@ def test_a_successor_cut_off_after_its_rounds_stands_down_when_the_endpoint_says
             router.setsockopt(zmq.LINGER, 0)
             router.bind_to_random_port("tcp://127.0.0.1")
             coordinator = Coordinator(router, SECRET, _takeover_state(group_ranks),
-                                      announce=(f"tcp://127.0.0.1:{port}", here))
+                                      announce=((f"tcp://127.0.0.1:{port}",), here))
             coordinators.append(coordinator)
             coordinator._rounds, coordinator._state.epoch = 1, 4  # it ran the job a round
             deadline = time.monotonic() + 5
@@ -372,8 +372,9 @@ def test_a_successor_cut_off_after_its_rounds_stands_down_when_the_endpoint_says
             assert codec.decode(frames).body == here
             endpoint.send_multipart([announcer, *codec.encode(CONTROL["redirect"](
                 coordinator_node="c", addr="", port=0), 6)])
-            assert coordinator._announcer is not None and coordinator._announcer.poll(5000)
-            coordinator._answers_to_announcement()
+            [to_endpoint] = coordinator._announcers
+            assert to_endpoint.poll(5000)
+            coordinator._answers_to_announcement(to_endpoint)
         assert coordinators[0]._state.redirect is None, "its round has x: it keeps the job"
         assert coordinators[1]._state.redirect == Redirect(
             coordinator_node="c", addr="127.0.0.1", port=port), "alone: it stands down"

@@ -194,8 +194,8 @@ def test_a_two_machine_job_cut_in_two_trains_on_one_side_only(nodes, cluster, tm
     cluster.node(2).partition()
     try:
         first.wait_for(r"\[rank0\]: start rank 0 world 1 ", timeout=ACT_WITHIN + 30)
-        second.wait_for(r"rendezvous round held: 1 of the last round's 2 nodes here, 1 lost "
-                        r"silently", timeout=ACT_WITHIN + 30)
+        second.wait_for(r"rendezvous round held: 1 of the last round's 2 nodes here, 1 may "
+                        r"go on", timeout=ACT_WITHIN + 30)
         first.wait_for(r"\[rank0\]: step \d+ ", timeout=30)  # it trains on meanwhile
     finally:
         cluster.node(2).heal()
