@@ -83,7 +83,7 @@ class Agent:
         self.start_order: messages.Start | None = None  # the one being carried out
         self.store: AgentStore | None = None
         self.spare_store: AgentStore | None = None  # next attempt's, already importing torch
-        self.waiting_as_spare = False  # told so (a spare message) since the last assign
+        self.spare_of: str | None = None  # a spare: whose coordinator said so, since an assign
         self.first_failure: failures.RankFailure | None = None
         self.recovery: PhaseClock | None = None  # times a recovery, from failure to ranks back
         self.policy = config.restart_policy  # of the recovery under way
@@ -203,6 +203,7 @@ class Agent:
             case messages.Start() as msg:
                 self._on_start(msg)
             case messages.Recover() as msg:
+                self.spare_of = None  # it joins again: a spare's next word is news
                 self._on_recover(msg)
             case messages.Committed(step=step):
                 self.committed_step = step
@@ -223,13 +224,15 @@ class Agent:
             case messages.Redirect(coordinator_node=node):
                 log.info("the job runs under coordinator node %s: joining it once %s ends",
                          node, self.phase)
-            case messages.Spare(coordinator_node=node) if not self.waiting_as_spare:
-                self.waiting_as_spare = True  # the control plane noted whom to follow
+            case messages.Spare(coordinator_node=node) if node != self.spare_of:
+                # Said again under another coordinator (one it failed over to, or was sent
+                # to after re-joining): whom it waits under, in its log and events.
+                self.spare_of = node  # the control plane noted whom to follow
                 self.events.emit("spare", f"waiting as a spare: the job runs on its maximum "
                                  f"of nodes (coordinator {node})", coordinator=node)
 
     def _on_assign(self, msg: messages.Assign) -> None:
-        self.waiting_as_spare = False
+        self.spare_of = None
         if self.phase != Phase.JOINING:
             log.warning("ignored an assignment in phase %s", self.phase)
             return

@@ -58,6 +58,7 @@ from launcher.commits import CommitLog
 log = logging.getLogger("ftlaunch.coordinator")
 
 TICK_SECONDS = 0.05
+FOLLOWED_QUIET = 10 * TICK_SECONDS  # a successor announcing itself missed that many: gone
 MAX_PACE = 0.02  # see pace()
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)  # see _send_frames
 PEER_ERROR_GRACE = 0.5  # seconds a peer error waits for the failure that caused it
@@ -136,6 +137,7 @@ class JobState:
     final: tuple[int, str] | None = None  # (exit code, reason) once done
     redirect: Redirect | None = None  # the job runs under a successor: send agents there
     redirect_epoch: int = -1  # the epoch it announced itself at
+    redirect_heard: float = float("-inf")  # when it last did
     commits: CommitLog = field(default_factory=lambda: CommitLog(0))  # of the current world
     copies: CommitLog = field(default_factory=lambda: CommitLog(0))  # steps copied to peers
     replicas: int = 0  # peers keeping a copy of each node's staged checkpoints
@@ -464,7 +466,7 @@ class Coordinator:
             self._send(identity, Stop(exit_code=s.final[0], reason=s.final[1]))
             return
         if isinstance(msg, Redirect):
-            self._on_announcement(identity, msg, received.epoch)
+            self._on_announcement(identity, msg, received.epoch, now)
             return
         if s.redirect is not None:
             self._send(identity, s.redirect)
@@ -587,7 +589,7 @@ class Coordinator:
         s = self._state
         return not set(s.group_ranks) - {s.host_node}
 
-    def _on_announcement(self, identity: bytes, msg: Redirect, epoch: int) -> None:
+    def _on_announcement(self, identity: bytes, msg: Redirect, epoch: int, now: float) -> None:
         """Another coordinator says it runs the job (a successor announcing itself at the
         endpoint). Who goes on: the coordinator with other nodes of the job; failing that,
         the announcer unless it is behind (a successor takes over at its predecessor's epoch,
@@ -608,8 +610,13 @@ class Coordinator:
         # on under a successor), or we were cut off from every other node and the job went on
         # without us: send our agents, and any that come, there. The latest successor to
         # announce itself, of the newest epoch, wins (the one before may be gone too: its
-        # successor takes over at its epoch; our own node may be it, on its standby socket).
-        s.redirect_epoch = epoch
+        # successor takes over at its epoch; our own node may be it, on its standby socket),
+        # once the one we follow stops announcing: two at one epoch (both held, after a
+        # heal) must not send our agents back and forth each tick until one stands down.
+        if s.redirect is not None and s.redirect != msg and epoch == s.redirect_epoch \
+                and now - s.redirect_heard < FOLLOWED_QUIET:
+            return
+        s.redirect_epoch, s.redirect_heard = epoch, now
         if s.redirect != msg:
             log.warning("the job runs under coordinator node %s at %s:%d: redirecting agents "
                         "there", msg.coordinator_node, msg.addr, msg.port)

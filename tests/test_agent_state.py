@@ -645,3 +645,20 @@ def test_a_rank_that_dies_after_its_peer_reported_the_reset_is_reported_too():
     reported = [m for m in machine.control.sent if m.TYPE == "failure"]
     assert [m.rank for m in reported] == [peer.rank, killed.rank], reported
     assert "SIGSEGV" in reported[1].cause and machine.agent.phase == Phase.FAILED
+
+
+def test_a_spare_says_whom_it_waits_under_each_time_that_changes():
+    """Chaos (2 nodes, seed 1607): a spare dropped by the successor it followed re-joined
+    and was told to wait as a spare by the job's coordinator, and said nothing (it had said
+    so once, under another coordinator): the runner took it for stranded. It says so again
+    after a re-join, and under each new coordinator; not twice under one."""
+    machine = AgentMachine()
+    machine.spare()
+    machine.spare()
+    assert machine.events.kinds.count("spare") == 1
+    machine._order("spare", coordinator_node="n4", members=())  # followed a successor
+    assert machine.events.kinds.count("spare") == 2
+    machine._order("recover", policy="rank", restart_count=1, delay=0.0,
+                   cause="node n2 was dropped from the job; re-joining")
+    machine._order("spare", coordinator_node="n4", members=())
+    assert machine.events.kinds.count("spare") == 3

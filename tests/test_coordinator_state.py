@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from ftlaunch_contract.messages import CONTROL, Assign, Held
 from ftlaunch_contract.protocol import Codec, Envelope
 from launcher import coordinator as coordinator_module
-from launcher.coordinator import Coordinator, JobState
+from launcher.coordinator import FOLLOWED_QUIET, Coordinator, JobState
 
 SECRET = b"k" * 32
 NODES = [f"n{i}" for i in range(5)]
@@ -628,6 +628,25 @@ def test_an_endpoint_cut_off_from_every_node_follows_the_successor_the_job_went_
     assert state.redirect == took_over, "b's successor took over at b's epoch: it wins"
     _join_round(coordinator, "d", seated_epoch=-1, now=4.0)
     assert answers(b"d", before) == [took_over], "a newcomer is sent there too"
+
+
+def test_two_successors_announcing_at_one_epoch_do_not_send_the_endpoints_agents_back_and_forth():
+    """Chaos (2 nodes, seed 1611): after a heal, a held successor and the cut-off coordinator
+    it took over from both announced themselves at the endpoint, at one epoch, every tick;
+    the endpoint redirected its agents to each in turn for a second. It keeps the one it
+    follows while that one announces; the other wins once the first goes quiet."""
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    _running(coordinator)
+    coordinator._disconnected(b"b", 2.0)  # a alone
+    first = CONTROL["redirect"](coordinator_node="b", addr="10.0.0.2", port=4000)
+    second = CONTROL["redirect"](coordinator_node="c", addr="10.0.0.3", port=4000)
+    for i in range(10):
+        coordinator._handle(b"b-announcer", Envelope(1, first), 3.0 + i * 0.05)
+        coordinator._handle(b"c-announcer", Envelope(1, second), 3.01 + i * 0.05)
+    assert coordinator._state.redirect == first
+    assert sum(m.body == second for _, m in socket.sent) == 0, "no agent sent to c"
+    coordinator._handle(b"c-announcer", Envelope(1, second), 3.45 + FOLLOWED_QUIET)
+    assert coordinator._state.redirect == second, "b went quiet: c runs the job"
 
 
 def test_a_spare_silent_for_half_the_liveness_timeout_is_not_seated_until_it_speaks():
