@@ -139,7 +139,6 @@ class ControlPlane:
         self._connect_by: float | None = None  # a successor's connection closed: see _unheard
         self._unheard = False  # we follow a successor that has not answered yet
         self._join: tuple[Join, int] | None = None  # sent on this connection, maybe lost
-        self._join_lost: tuple[Join, int] | None = None  # ...with a connection that closed
         self.watch = context.socket(zmq.DEALER)
         self.watch.setsockopt(zmq.LINGER, 0)
         keep_alive(self.watch, node_timeout)
@@ -272,7 +271,7 @@ class ControlPlane:
         self.socket.disconnect(self._endpoint)
         self._endpoint = endpoint
         self._down.clear()
-        self._connect_by, self._join, self._join_lost = None, None, None
+        self._connect_by, self._join = None, None
         self.socket.connect(self._endpoint)
         if self._watching:
             self._watch("")
@@ -307,7 +306,7 @@ class ControlPlane:
         (self.socket, self.monitors[0]), self._next = self._next, None
         self._endpoint, self._next_endpoint = self._next_endpoint, ""
         self._down.discard(0)
-        self._connect_by, self._join, self._join_lost = None, None, None
+        self._connect_by, self._join = None, None
         if self._watching:
             self._watch("")
         self.on_monitor()
@@ -356,18 +355,19 @@ class ControlPlane:
             # The successor's connection, closed before it said a word: maybe not its death
             # but a blip (loss, the successor's kernel timing the idle connection out, the
             # word of which was lost: our join then met a reset). ZeroMQ reconnects; the
-            # successor gets the node timeout to be reached, and our join goes out again.
+            # successor gets the node timeout to be reached. Our join goes out again now,
+            # queued for the new connection ahead of our next heartbeat: one that came
+            # first would find us unknown there, a spare "dropped from the job" (chaos
+            # 2-node seed 1616: loss on the successor's node, then the coordinator killed).
             self._connect_by = self._connect_by or time.monotonic() + self._node_timeout
-            self._join_lost = self._join
+            if self._join is not None:
+                self.send(*self._join)
         elif lost:
             self._down.add(which)
         else:
             self._down.discard(which)
             if which == 0:
                 self._connect_by = None
-                if self._join_lost is not None and self._unheard:
-                    self.send(*self._join_lost)
-                self._join_lost = None
 
     def heartbeat_if_due(self, now: float, epoch: int, phase: str = "",
                          ranks: RankStates = ()) -> None:
