@@ -104,18 +104,18 @@ def draw_schedule(seed: int, faults: int, kinds: tuple[str, ...], world: int, no
 @dataclass
 class Cut:
     """A partition's view to set aside, not the job's: the node cut off sees every other lost
-    from the cut on (it may fail over to itself, then stand down once healed). Unless its
-    side kept the job (the coordinator's node, on the tie of a round of two): then the
-    other side's view, until they all stood down and re-joined (``kept_until``)."""
+    (it may fail over to itself, then stand down once healed) from the cut until it re-joined
+    the job. Unless its side kept the job (the coordinator's node, on the tie of a round of
+    two): then the other side's view, until they all stood down and re-joined."""
 
     log: str  # the log dir of the agent cut off
     at: float
-    kept_until: float | None = None
+    until: float = float("inf")  # by then the side whose view this is was back in the job
+    kept: bool = False  # the cut-off side kept the job
 
     def hides(self, event: dict) -> bool:
-        if self.kept_until is None:
-            return event["node"] == self.log and event["ts"] >= self.at
-        return event["node"] != self.log and self.at <= event["ts"] < self.kept_until
+        ours = event["node"] == self.log
+        return self.at <= event["ts"] < self.until and ours != self.kept
 
 
 @dataclass
@@ -267,7 +267,7 @@ def check_recoveries(run: Run, ref: Reference) -> str | None:
         if len(within) != 1:
             causes = [r["cause"] for r in within]
             return f"{inj.fault.kind} at step {inj.fault.step}: {len(within)} recoveries {causes}"
-        kept = inj.cut is not None and inj.cut.kept_until is not None
+        kept = inj.cut is not None and inj.cut.kept
         pattern = (KEPT if kept else CAUSES[inj.fault.kind]).format(
             rank=inj.fault.target, node=re.escape(inj.detail))
         if not re.search(pattern, within[0]["cause"]):
@@ -687,7 +687,9 @@ def rejoin_after_heal(job: Job, agent: subprocess.Popen, cut: Cut | None) -> Non
         if m[0] == "standing down" and node != cut_off:
             break
         if node == cut_off and m[0] != "standing down":
-            return  # it re-joined the job as a spare
+            if cut is not None:  # it re-joined the job as a spare: its view is the job's again
+                cut.until = job.out.lines[i][0]
+            return
     for other in [p for p in job.alive() if p is not agent]:  # its side kept the job
         try:
             job.out.wait(rf"waiting as a spare|{START.pattern}", mark,
@@ -697,7 +699,7 @@ def rejoin_after_heal(job: Job, agent: subprocess.Popen, cut: Cut | None) -> Non
         except TimeoutError:
             strand(job, other)
     if cut is not None:
-        cut.kept_until = time.time()
+        cut.kept, cut.until = True, time.time()
 
 
 def strand(job: Job, agent: subprocess.Popen) -> None:

@@ -201,7 +201,7 @@ def test_a_coordinator_cut_off_that_kept_the_job_on_the_tie_needs_one_recovery_o
     view until it stood down and re-joined is set aside; node2's recovery, finding the other
     node silent, is the job's."""
     run = network_run("coordinator-partition")
-    run.injected[0].cut.kept_until = T0 + 16
+    run.injected[0].cut.kept, run.injected[0].cut.until = True, T0 + 16
     kept = [{**e, "node": "agent1", "cause": "node node3:9 lost (nothing from its machine "
              "for 2s)"} if e["event"] == "recovering" else e for e in run.events]
     held = [{"ts": T0 + 14, "event": "coordinator_lost", "node": "agent0", "lost": "node2:7",
@@ -216,8 +216,23 @@ def test_a_coordinator_cut_off_that_kept_the_job_on_the_tie_needs_one_recovery_o
     itself = [{**e, "cause": "node node2:7 lost (nothing from its machine for 2s)"}
               if e["event"] == "recovering" else e for e in kept]
     assert "does not name it" in recoveries_verdict(run, events=itself)
-    run.injected[0].cut.kept_until = None  # not kept: the other side's failover is the job's
+    run.injected[0].cut.kept = False  # not kept: the other side's failover is the job's
     assert "2 recoveries" in recoveries_verdict(run, events=[*kept, *held])
+
+
+def test_a_cut_off_node_back_in_the_job_speaks_for_it_again():
+    """Chaos (2 nodes, seed 1620): both nodes of the round had been cut off once and had
+    re-joined; a rank killed later on one of them was recovered, but its events were still
+    set aside as a cut-off view: "0 recoveries". A view is set aside only until its side
+    re-joined."""
+    cut = chaos.Cut("agent1", T0 + 12, until=T0 + 16)
+    at = {"node": "agent1", "event": "recovering"}
+    assert cut.hides({**at, "ts": T0 + 14}) and not cut.hides({**at, "ts": T0 + 17})
+    assert not cut.hides({**at, "node": "agent0", "ts": T0 + 14})
+    kept = chaos.Cut("agent1", T0 + 12, until=T0 + 16, kept=True)
+    assert kept.hides({**at, "node": "agent0", "ts": T0 + 14})
+    assert not kept.hides({**at, "ts": T0 + 14}) and not kept.hides({**at, "node": "agent0",
+                                                                     "ts": T0 + 17})
 
 
 def test_packet_loss_needs_no_recovery():
