@@ -209,6 +209,7 @@ class Assign(Body):
     restart_count: int
     max_restarts: int
     members: Successors
+    spares: Successors  # the round's idle spares: they vote on the next (see has_quorum)
     coordinator_node: str
     replicate_to: Peers  # who keeps copies of this node's staged shards
     fetch: Fetches  # what to pull from peers' memory before the ranks start
@@ -281,6 +282,7 @@ class Spare(Body):
     TYPE = "spare"
     coordinator_node: str
     members: Successors
+    spares: Successors  # as in an assign
 
 
 @dataclass(frozen=True, kw_only=True)

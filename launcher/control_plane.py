@@ -118,6 +118,7 @@ class ControlPlane:
         # _prepare_takeover): ours may be the standby the whole job connects to.
         room_for_connections(new_state().max_nodes, self._watching)
         self.members: Successors = ()  # by group rank: who would take over the coordinator
+        self.spares: Successors = ()  # the round's spares (they vote: see fail_over)
         self.coordinator_node = ""
         self.redirected = False  # we follow a redirect and have not been assigned since
         self._lost: set[str] = set()  # coordinators we failed over from, since members came
@@ -234,6 +235,7 @@ class ControlPlane:
             # by a partition: everyone) is not (chaos seeds 1301, 1306: a healed spare
             # passed over the live successor and, finding none, failed).
             self.members, self._lost, self._cut_off = received.body.members, set(), set()
+            self.spares = received.body.spares
             self.coordinator_node = received.body.coordinator_node
             self._takeover_due = True  # with our next heartbeat: not on the start's path
             if self._watching and self._watch_endpoint != self._endpoint:
@@ -422,10 +424,13 @@ class ControlPlane:
             # counted in group_world_size any more.
             state.expected_count = group_world_size - sum(m.node_id in self._lost
                                                           for m in self.members)
-            # The quorum (membership.has_quorum): the coordinators we lost are of the last
-            # round; those that died train nowhere, one gone silent may on the other side.
+            # The quorum (membership.has_quorum): the last round's nodes and its spares; the
+            # coordinators we lost among them that died train nowhere, one gone silent may
+            # on the other side.
             named = {m.node_id for m in self.members}
-            state.electorate, state.electorate_epoch = group_world_size, epoch
+            state.voters = named | {spare.node_id for spare in self.spares}
+            state.electorate = group_world_size + len(self.spares)
+            state.electorate_epoch = epoch
             state.gone = (self._lost - self._cut_off) & named
             state.wins_tie = not self._cut_off & named
             now = time.monotonic()

@@ -130,6 +130,7 @@ class JobState:
     min_reached_at: float | None = None
     group_ranks: dict[str, int] = field(default_factory=dict)  # nodes in the running round
     successors: Successors = ()  # the running round's nodes that may take over, in order
+    spares: Successors = ()  # its idle spares when it closed, up to SUCCESSORS: they vote too
     peer_error: tuple[str, int, float] | None = None  # (cause, step, until): see Failure
     finished: set[str] = field(default_factory=set)
     leaving: set[str] = field(default_factory=set)  # stopped by a signal: out at the next round
@@ -149,8 +150,9 @@ class JobState:
     assigns: dict[str, Assign] = field(default_factory=dict)  # the running round's, by node
     start: Start | None = None  # the running round's, once given
     # The quorum a round needs (see membership.has_quorum):
-    electorate: int = 0  # nodes of the last round closed (0: none yet)
+    electorate: int = 0  # nodes of the last round closed, and its named spares (0: none yet)
     electorate_epoch: int = -1  # its epoch: a join seated in it is one of them
+    voters: set[str] = field(default_factory=set)  # of them, those known by name
     back: set[str] = field(default_factory=set)  # of them, heard since the round opened
     gone: set[str] = field(default_factory=set)  # of them, known not to train on anywhere
     wins_tie: bool = True  # half of them suffice: we ran it, or our predecessor died
@@ -451,7 +453,7 @@ class Coordinator:
         s = self._state
         s.last_seen.pop(node, None)
         s.last_seen[node] = now
-        if s.phase == RoundPhase.JOINING and node in s.group_ranks:
+        if s.phase == RoundPhase.JOINING and node in s.voters:
             s.back.add(node)
 
     # --- messages ------------------------------------------------------------------------
@@ -572,7 +574,8 @@ class Coordinator:
             if s.phase != RoundPhase.JOINING:
                 log.warning("node %s waits as a spare: the job runs on its maximum of %d nodes",
                             node, s.max_nodes)
-            self._send(identity, Spare(members=s.successors, coordinator_node=s.host_node))
+            self._send(identity, Spare(members=s.successors, spares=s.spares,
+                                       coordinator_node=s.host_node))
         elif msg.seated_epoch != s.epoch and node in s.assigns:
             # Seated, yet it says it never was: its assign went to a connection it has since
             # left (chaos seed 1332: its join, held up by a partition, reached the successor
@@ -643,9 +646,9 @@ class Coordinator:
 
     def _forget_leaving(self) -> None:
         s = self._state
+        s.gone |= s.leaving & s.voters  # they left by a signal: they train nowhere
         for node in s.leaving:
             if s.group_ranks.pop(node, None) is not None:
-                s.gone.add(node)  # it left by a signal: it trains nowhere
                 s.expected.discard(node)
                 s.expected_count = max(0, s.expected_count - 1)
         s.leaving.clear()
@@ -721,7 +724,10 @@ class Coordinator:
         assignments = membership.assign_ranks([s.members[n] for n in s.round_joined],
                                               s.group_ranks)
         s.group_ranks = {a.node_id: a.group_rank for a in assignments}
-        s.electorate, s.electorate_epoch = len(assignments), s.epoch
+        s.spares = tuple(Successor(n, s.members[n].addr, s.standby_ports[n])
+                         for n in self._idle_spares(now)[:SUCCESSORS])
+        s.voters = set(s.group_ranks) | {spare.node_id for spare in s.spares}
+        s.electorate, s.electorate_epoch = len(s.voters), s.epoch
         if assignments and assignments[0].world_size != s.commits.world_size:
             s.commits = CommitLog(assignments[0].world_size)  # shards of another world differ
             s.copies = CommitLog(assignments[0].world_size)
@@ -737,11 +743,13 @@ class Coordinator:
                 group_rank=a.group_rank, group_world_size=a.group_world_size,
                 rank_offset=a.rank_offset, world_size=a.world_size,
                 restart_count=s.restart_count, max_restarts=s.max_restarts, members=members,
-                coordinator_node=s.host_node, replicate_to=replicate_to, fetch=fetch)
+                spares=s.spares, coordinator_node=s.host_node, replicate_to=replicate_to,
+                fetch=fetch)
             self._send(s.identities[a.node_id], s.assigns[a.node_id])
         for node in s.members.keys() - s.group_ranks.keys():  # spares: whom to follow now
             if node in s.identities:
-                self._send(s.identities[node], Spare(members=members, coordinator_node=s.host_node))
+                self._send(s.identities[node], Spare(members=members, spares=s.spares,
+                                                     coordinator_node=s.host_node))
 
     def _replicas(self, assignments: list[membership.Assignment],
                   committed: int) -> dict[str, tuple[Peers, Fetches]]:
@@ -857,7 +865,7 @@ class Coordinator:
         """More of the last round back than may train on cut off (membership.has_quorum);
         the round waits otherwise, for them to come back, until the join timeout."""
         s = self._state
-        back = len(s.back | ({s.host_node} & s.group_ranks.keys()))  # our own node is here
+        back = len(s.back | ({s.host_node} & s.voters))  # our own node is here
         if membership.has_quorum(s.electorate, back, len(s.gone), s.wins_tie):
             return True
         if not self._short_of_quorum:
@@ -894,9 +902,9 @@ class Coordinator:
             table.pop(node, None)
         s.round_joined.discard(node)
         s.back.discard(node)
+        if node in s.voters and not silent:  # its process died, or it was excluded: it
+            s.gone.add(node)  # trains nowhere
         if node in s.group_ranks:
-            if not silent:  # its process died, or it was excluded: it trains nowhere
-                s.gone.add(node)
             in_round = s.phase in (RoundPhase.WAITING_STORE, RoundPhase.RUNNING)
             del s.group_ranks[node]
             if in_round:

@@ -334,7 +334,7 @@ class AgentMachine(RuleBasedStateMachine):
             self.pull_deadline = self.now + FETCH_TIMEOUT
         self._order("assign", group_rank=group_rank, group_world_size=2,
                     rank_offset=group_rank * LOCAL_WORLD_SIZE, world_size=2 * LOCAL_WORLD_SIZE,
-                    restart_count=0, max_restarts=3, members=(), coordinator_node="n0",
+                    restart_count=0, max_restarts=3, members=(), spares=(), coordinator_node="n0",
                     replicate_to=(Peer("n1", "127.0.0.1", 4100),), fetch=fetch)
 
     @precondition(lambda self: self.assigned)
@@ -348,7 +348,7 @@ class AgentMachine(RuleBasedStateMachine):
         """An order the agent's phase does not expect: ignored, never a crash."""
         if kind == "assign":
             self._order("assign", group_rank=1, group_world_size=2, rank_offset=2,
-                        world_size=4, restart_count=0, max_restarts=3, members=(),
+                        world_size=4, restart_count=0, max_restarts=3, members=(), spares=(),
                         coordinator_node="n0", replicate_to=(), fetch=())
         else:
             self._order("start", master_addr="127.0.0.1", master_port=29500, restart_count=0)
@@ -356,7 +356,7 @@ class AgentMachine(RuleBasedStateMachine):
     @rule()
     def spare(self):
         """Told to wait as a spare (whatever the phase): it only learns whom to follow."""
-        self._order("spare", coordinator_node="n0", members=())
+        self._order("spare", coordinator_node="n0", members=(), spares=())
 
     @rule(step=st.integers(0, 5))
     def committed(self, step):
@@ -656,9 +656,9 @@ def test_a_spare_says_whom_it_waits_under_each_time_that_changes():
     machine.spare()
     machine.spare()
     assert machine.events.kinds.count("spare") == 1
-    machine._order("spare", coordinator_node="n4", members=())  # followed a successor
+    machine._order("spare", coordinator_node="n4", members=(), spares=())  # followed a successor
     assert machine.events.kinds.count("spare") == 2
     machine._order("recover", policy="rank", restart_count=1, delay=0.0,
                    cause="node n2 was dropped from the job; re-joining")
-    machine._order("spare", coordinator_node="n4", members=())
+    machine._order("spare", coordinator_node="n4", members=(), spares=())
     assert machine.events.kinds.count("spare") == 3

@@ -228,8 +228,8 @@ def test_a_node_lost_while_a_round_forms_gives_its_seat_to_a_waiting_spare():
 
 
 def _running(coordinator: Coordinator) -> None:
-    coordinator._handle(b"a", Envelope(1, CONTROL["store_ready"](master_addr="10.0.0.1",
-                                                                 master_port=29500)), 1.3)
+    coordinator._handle(b"a", Envelope(coordinator._state.epoch, CONTROL["store_ready"](
+        master_addr="10.0.0.1", master_port=29500)), 1.3)
     assert coordinator._state.phase == "running"
 
 
@@ -796,3 +796,48 @@ def test_a_successor_counts_survivors_its_assign_did_not_name():
     _join_round(coordinator, "n21", seated_epoch=4, now=now + 1.1)
     coordinator._tick(now + 2.0)
     assert state.phase == "waiting_store" and "new" in state.group_ranks
+
+
+def test_a_rounds_idle_spares_vote_on_the_next():
+    """1:2 on a and b, with a spare s. a's machine goes silent: b's side (b and s) is two
+    of the three, and goes on; a, cut off alone, holds its round though it is MIN (without
+    the spare's vote, a's side would win the tie and b's hold: the job stalled on a machine
+    gone for good, the common case of a lost coordinator's node)."""
+    coordinator = _elastic_job("ab")
+    state = coordinator._state
+    _join_round(coordinator, "s", seated_epoch=-1, now=1.2)  # after the round: waits
+    coordinator._disconnected(b"b", 1.5)  # b's agent died: s takes its seat
+    _join_round(coordinator, "a", seated_epoch=1, now=1.6)
+    _silent_but(coordinator, "as", 2.2)
+    assert state.phase == "waiting_store" and sorted(state.group_ranks) == ["a", "s"]
+    _join_round(coordinator, "t", seated_epoch=-1, now=2.3)  # a new spare
+    _running(coordinator)
+    assert state.electorate == 2, "t came after the round closed: it does not vote on it"
+    coordinator._recover_from("rank 1 (node s) hung", 2.5)
+    _join_round(coordinator, "a", seated_epoch=2, now=2.6)
+    _join_round(coordinator, "s", seated_epoch=2, now=2.6)
+    _silent_but(coordinator, "ast", 3.2)
+    assert state.electorate == 3 and [spare.node_id for spare in state.spares] == ["t"]
+    _running(coordinator)
+    _silent_but(coordinator, "a", 9.0)  # s and t cut off with the rest of the network
+    _join_round(coordinator, "a", seated_epoch=3, now=9.1)
+    _silent_but(coordinator, "a", 10.0)
+    assert state.phase == "joining", "one of three held a round"
+
+
+@pytest.mark.parametrize("spare_with_us", [True, False])
+def test_a_successor_with_the_rounds_spare_has_a_majority(spare_with_us):
+    """b takes over from a, silent, with the round's spare s named in its last assign: b
+    and s are two of three. Without s, b holds (a tie it does not win)."""
+    state = JobState(min_nodes=1, max_nodes=2, max_restarts=5, policy="rank", backoff=0.0,
+                     backoff_max=0.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=0.5, join_timeout=60.0, host_node="b", joining_since=0.0,
+                     epoch=1, group_ranks={"b": 1}, expected_count=1, electorate=3,
+                     electorate_epoch=1, voters={"a", "b", "s"}, wins_tie=False)
+    coordinator = Coordinator(CapturingSocket(), SECRET, state, takeover_cause="a lost")
+    now = time.monotonic()
+    _join_round(coordinator, "b", seated_epoch=1, now=now)
+    if spare_with_us:
+        _join_round(coordinator, "s", seated_epoch=-1, now=now)
+    coordinator._tick(now + 1.0)
+    assert (state.phase == "joining") is not spare_with_us

@@ -287,11 +287,11 @@ def test_a_healed_node_forgets_the_coordinators_it_took_for_lost_once_the_job_sp
     try:
         tell(CONTROL["assign"](group_rank=3, group_world_size=4, rank_offset=3, world_size=4,
                                restart_count=0, max_restarts=3, members=members,
-                               coordinator_node="a", replicate_to=(), fetch=()))
+                               spares=(), coordinator_node="a", replicate_to=(), fetch=()))
         assert b.fail_over(1, 0, 4) == "c"  # cut off: a silent, then c
         assert b.fail_over(1, 0, 4) == "d"
         b.back_to_rendezvous()  # (healed: the job runs under a, which answers)
-        tell(CONTROL["spare"](members=members, coordinator_node="a"))
+        tell(CONTROL["spare"](members=members, spares=(), coordinator_node="a"))
         assert b.coordinator_node == "a"
         assert b.fail_over(1, 0, 4) == "c", "a lost for real: its successor is c"
     finally:
