@@ -229,15 +229,20 @@ FAILOVER = re.compile(r"coordinator node (\S+) lost")
 def recoveries(events: list[dict]) -> list[dict]:
     """The job's recoveries, once each: every node logs the one the coordinator ordered, and
     each survivor the loss of the coordinator's node (``coordinator_lost``, then its own
-    ``recovering`` with that cause: one recovery, policy "failover" here)."""
+    ``recovering`` with that cause: one recovery, policy "failover" here). A node that was
+    the coordinator again later may be lost again: that loss, to another successor, is
+    another recovery (chaos 2-node seed 1634)."""
     seen: dict[tuple, dict] = {}
+    followed: dict[tuple, str] = {}  # (agent, coordinator lost) -> the successor it followed
     for e in sorted(events, key=lambda e: e["ts"]):
         if e["event"] == "recovering" and (m := FAILOVER.fullmatch(e["cause"])):
-            seen.setdefault(("failover", m[1]), {**e, "policy": "failover"})  # survivors' own
+            successor = followed.get((e.get("node"), m[1]), "")
+            seen.setdefault(("failover", m[1], successor), {**e, "policy": "failover"})
         elif e["event"] == "recovering":
             seen.setdefault((e["restart_count"], e["cause"]), e)
         elif e["event"] == "coordinator_lost" and e["successor"]:
-            seen.setdefault(("failover", e["lost"]), {
+            followed[(e.get("node"), e["lost"])] = e["successor"]
+            seen.setdefault(("failover", e["lost"], e["successor"]), {
                 "ts": e["ts"], "policy": "failover", "cause": f"coordinator node {e['lost']} lost"})
     return sorted(seen.values(), key=lambda e: e["ts"])
 

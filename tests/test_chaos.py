@@ -155,6 +155,22 @@ def test_a_coordinator_loss_counts_once_however_many_survivors_log_it():
     assert only["policy"] == "failover" and "vm:1" in only["cause"]
 
 
+def test_a_coordinator_lost_again_later_is_another_recovery():
+    """Chaos (2 nodes, seed 1634): vm:1 lost as the coordinator, healed, the coordinator again
+    later (a successor), and lost again: two recoveries, not one."""
+    events = [{"ts": T0 + 1, "node": "agent1", "event": "coordinator_lost", "lost": "vm:1",
+               "successor": "vm:2"},
+              {"ts": T0 + 1, "node": "agent1", "event": "recovering", "restart_count": 1,
+               "policy": "rank", "cause": "coordinator node vm:1 lost"},
+              {"ts": T0 + 9, "node": "agent3", "event": "coordinator_lost", "lost": "vm:1",
+               "successor": "vm:3"},
+              {"ts": T0 + 9, "node": "agent3", "event": "recovering", "restart_count": 4,
+               "policy": "rank", "cause": "coordinator node vm:1 lost"},
+              {"ts": T0 + 9.1, "node": "agent4", "event": "coordinator_lost", "lost": "vm:1",
+               "successor": "vm:3"}]
+    assert [r["ts"] for r in chaos.recoveries(events)] == [T0 + 1, T0 + 9]
+
+
 def network_run(kind: str, **fault) -> chaos.Run:
     """good_run with its kill replaced by ``kind`` of node2 (agent1's log) at step 12."""
     run, _ = good_run()

@@ -207,6 +207,38 @@ def test_a_two_machine_job_cut_in_two_trains_on_one_side_only(nodes, cluster, tm
 
 
 @pytest.mark.timeout(150)
+def test_a_spare_outvotes_the_coordinators_machine_cut_off(nodes, cluster, tmp_path):
+    """--nnodes 1:2 with a spare, and the coordinator's machine cut off: the successor and
+    the spare are two of the round's three voters and go on as a world of two; the cut-off
+    coordinator, MIN on its own, holds its round (without the spare's vote it would win the
+    tie and train alone, the others held). Healed, it joins the job as a spare."""
+    steps = 300
+    first, second = (nodes(k, steps=steps, nnodes="1:2") for k in (1, 2))
+    for run in (first, second):
+        run.wait_for(r"\[rank\d\]: step 15 ", timeout=90)
+    third = nodes(3, steps=steps, nnodes="1:2")
+    third.wait_for(r"waiting as a spare", timeout=60)
+    # A spare votes on the rounds after one that closed while it waited: a rank killed on
+    # node 2, and the round that restarts it has node 3 idle.
+    pid = int(re.findall(r"start rank 1 world 2 pid (\d+)", second.output)[-1])
+    os.kill(pid, signal.SIGKILL)
+    second.wait_for(r"\[rank1\]: start rank 1 world 2 ", timeout=30)
+    cluster.node(1).partition()
+    try:
+        third.wait_for(r"start rank \d world 2 ", timeout=ACT_WITHIN + 30)
+        first.wait_for(r"rendezvous round held: 1 of the last round's 3 nodes here, 2 may "
+                       r"go on", timeout=ACT_WITHIN + 30)
+    finally:
+        cluster.node(1).heal()
+    first.wait_for(r"waiting as a spare", timeout=60)
+    for run in (second, third, first):
+        assert run.finish(timeout=90) == 0, run.output
+    cut_at = first.output.index("rendezvous round held")
+    assert not re.search(r"start rank \d world 1 ", first.output[cut_at:]), first.output
+    assert _result(tmp_path)["final_step"] == steps
+
+
+@pytest.mark.timeout(150)
 def test_packet_loss_on_one_node_does_not_stop_the_job(nodes, cluster, tmp_path):
     steps = 30
     cluster.node(2).drop_output(0.2)  # from rendezvous on: heartbeats, store, gloo
