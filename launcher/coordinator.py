@@ -826,13 +826,16 @@ class Coordinator:
         if (s.final is None and s.phase == RoundPhase.JOINING
                 and not self._maybe_complete_round(now)
                 and now - s.joining_since > s.join_timeout):
-            short = f" (only {len(s.back)} of the last round's {s.electorate} nodes came back, " \
-                "the others maybe behind a partition: a round needs more of them)" \
-                if self._short_of_quorum else ""
-            self._finish(exit_codes.JOB_FAILED,
-                         f"rendezvous timed out: {len(s.round_joined)} of at least "
-                         f"{s.min_nodes} nodes joined within {s.join_timeout:g}s{short}; start "
-                         "the missing nodes or raise --rdzv-conf join_timeout")
+            if self._short_of_quorum:
+                back = self._back()
+                why = f"held for a quorum: {back} of the last round's {s.electorate} nodes " \
+                    f"came back within {s.join_timeout:g}s, {s.electorate - back - len(s.gone)} " \
+                    "may have gone on behind a partition; heal the network"
+            else:
+                why = f"{len(s.round_joined)} of at least {s.min_nodes} nodes joined within " \
+                    f"{s.join_timeout:g}s; start the missing nodes"
+            self._finish(exit_codes.JOB_FAILED, f"rendezvous timed out: {why} or raise "
+                         "--rdzv-conf join_timeout")
         if s.phase == RoundPhase.RUNNING and s.peer_error and now >= s.peer_error[2]:
             self._recover_from(s.peer_error[0], now, step=s.peer_error[1])  # no other came
         if (s.phase == RoundPhase.RUNNING and s.first_finished_at is not None
@@ -865,7 +868,7 @@ class Coordinator:
         """More of the last round back than may train on cut off (membership.has_quorum);
         the round waits otherwise, for them to come back, until the join timeout."""
         s = self._state
-        back = len(s.back | ({s.host_node} & s.voters))  # our own node is here
+        back = self._back()
         if membership.has_quorum(s.electorate, back, len(s.gone), s.wins_tie):
             return True
         if not self._short_of_quorum:
@@ -874,6 +877,11 @@ class Coordinator:
                         "go on behind a partition; waiting for them", back, s.electorate,
                         s.electorate - back - len(s.gone))
         return False
+
+    def _back(self) -> int:
+        """Voters of the last round heard since this one opened, our own node with them."""
+        s = self._state
+        return len(s.back | ({s.host_node} & s.voters))
 
     def _disconnected(self, identity: bytes, now: float) -> None:
         """A member's connection closed: its agent died (a process that exits closes its

@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from ftlaunch_contract.messages import CONTROL, Assign, Held
 from ftlaunch_contract.protocol import Codec, Envelope
 from launcher import coordinator as coordinator_module
+from launcher import exit_codes
 from launcher.coordinator import FOLLOWED_QUIET, Coordinator, JobState
 
 SECRET = b"k" * 32
@@ -841,3 +842,15 @@ def test_a_successor_with_the_rounds_spare_has_a_majority(spare_with_us):
         _join_round(coordinator, "s", seated_epoch=-1, now=now)
     coordinator._tick(now + 1.0)
     assert (state.phase == "joining") is not spare_with_us
+
+
+def test_a_round_held_past_the_join_timeout_says_why_and_what_to_do():
+    coordinator = _elastic_job("abc")
+    state = coordinator._state
+    _silent_but(coordinator, "a", 7.0)  # b and c cut off
+    _join_round(coordinator, "a", seated_epoch=1, now=7.1)
+    _silent_but(coordinator, "a", 7.0 + state.join_timeout + 1)
+    assert state.final == (exit_codes.JOB_FAILED, (
+        "rendezvous timed out: held for a quorum: 1 of the last round's 3 nodes came back "
+        "within 60s, 2 may have gone on behind a partition; heal the network or raise "
+        "--rdzv-conf join_timeout"))
