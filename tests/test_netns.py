@@ -180,6 +180,14 @@ def test_partitioned_node_is_dropped_and_survivors_finish(nodes, cluster, launch
         assert cluster.node(3).pids() == [], "processes left in the partitioned namespace"
 
 
+def _elastic_pair(nodes, steps: int) -> tuple[NodeLaunch, NodeLaunch]:
+    """Nodes 1 and 2 of a --nnodes 1:2 job, both training."""
+    first, second = (nodes(k, steps=steps, nnodes="1:2") for k in (1, 2))
+    for run in (first, second):
+        run.wait_for(r"\[rank\d\]: step 15 ", timeout=90)
+    return first, second
+
+
 @pytest.mark.timeout(150)
 def test_a_two_machine_job_cut_in_two_trains_on_one_side_only(nodes, cluster, tmp_path):
     """--nnodes 1:2 and the two machines cut apart: each side alone is enough for MIN, and
@@ -188,9 +196,7 @@ def test_a_two_machine_job_cut_in_two_trains_on_one_side_only(nodes, cluster, tm
     round, and the side that ran it) goes on; the successor's holds its round until the
     partition heals, then stands down and joins the job, which grows back to two."""
     steps = 300
-    first, second = (nodes(k, steps=steps, nnodes="1:2") for k in (1, 2))
-    for run in (first, second):
-        run.wait_for(r"\[rank\d\]: step 15 ", timeout=90)
+    first, second = _elastic_pair(nodes, steps)
     cluster.node(2).partition()
     try:
         first.wait_for(r"\[rank0\]: start rank 0 world 1 ", timeout=ACT_WITHIN + 30)
@@ -213,9 +219,7 @@ def test_a_spare_outvotes_the_coordinators_machine_cut_off(nodes, cluster, tmp_p
     coordinator, MIN on its own, holds its round (without the spare's vote it would win the
     tie and train alone, the others held). Healed, it joins the job as a spare."""
     steps = 300
-    first, second = (nodes(k, steps=steps, nnodes="1:2") for k in (1, 2))
-    for run in (first, second):
-        run.wait_for(r"\[rank\d\]: step 15 ", timeout=90)
+    first, second = _elastic_pair(nodes, steps)
     third = nodes(3, steps=steps, nnodes="1:2")
     third.wait_for(r"waiting as a spare", timeout=60)
     # A spare votes on the rounds after one that closed while it waited: a rank killed on
