@@ -39,6 +39,7 @@ from launcher.coordinator import (
     keep_alive,
     went_silent,
 )
+from launcher.peer_probe import Probe, Verdict
 
 log = logging.getLogger("ftlaunch.control")
 
@@ -137,6 +138,10 @@ class ControlPlane:
         # heartbeat in flight would hold keepalive off). Not in a small job: 1 s keepalive
         # probes, unlike data, are not retransmitted fast, and lossy links would lose it.
         self._down: set[int] = set()  # which of our two connections (0, 1) closed
+        self._died = False  # the coordinator's process died (a probe was refused)
+        self._probe: Probe | None = None  # of the coordinator, for a connection that closed
+        self._probing: set[int] = set()  # while it was heard from: which one (see on_probe)
+        self._addresses = {endpoint[0]: _resolved(endpoint[0])} if endpoint else {}
         self._connect_by: float | None = None  # a successor's connection closed: see _unheard
         self._unheard = False  # we follow a successor that has not answered yet
         self._join: tuple[Join, int] | None = None  # sent on this connection, maybe lost
@@ -273,6 +278,8 @@ class ControlPlane:
         self.socket.disconnect(self._endpoint)
         self._endpoint = endpoint
         self._down.clear()
+        self._died = False
+        self._drop_probe()
         self._connect_by, self._join = None, None
         self.socket.connect(self._endpoint)
         if self._watching:
@@ -308,6 +315,8 @@ class ControlPlane:
         (self.socket, self.monitors[0]), self._next = self._next, None
         self._endpoint, self._next_endpoint = self._next_endpoint, ""
         self._down.discard(0)
+        self._died = False
+        self._drop_probe()
         self._connect_by, self._join = None, None
         if self._watching:
             self._watch("")
@@ -364,12 +373,46 @@ class ControlPlane:
             self._connect_by = self._connect_by or time.monotonic() + self._node_timeout
             if self._join is not None:
                 self.send(*self._join)
-        elif lost:
-            self._down.add(which)
+        elif lost and went_silent(time.monotonic() - self.last_heard, self._node_timeout):
+            self._down.add(which)  # the kernel's node timeout: its machine went silent
+        elif lost:  # its process died, or the network ended the connection: ask its machine
+            self._probing.add(which)
+            if self._probe is None:
+                host, _, port = self._endpoint.removeprefix("tcp://").rpartition(":")
+                self._probe = Probe(self._addresses.get(host, host).strip("[]"), int(port),
+                                    self._node_timeout)
+            self.on_probe()
         else:
             self._down.discard(which)
+            self._probing.discard(which)
             if which == 0:
                 self._connect_by = None
+
+    @property
+    def probe_fd(self) -> int:
+        """The probe's socket, to poll for writing (-1: none under way)."""
+        return self._probe.fd if self._probe is not None else -1
+
+    def on_probe(self, now: float | None = None) -> None:
+        """The probe of a coordinator whose connection closed while we heard from it has
+        answered (or timed out): refused, its process died, acted on at once; else the
+        network ended the connection (packet loss) and its silence decides."""
+        if self._probe is None or (answer := self._probe.answer(now)) is None:
+            return
+        if answer is Verdict.DIED:
+            self._down |= self._probing
+            self._died = True
+        else:
+            log.warning("connection to the coordinator closed while it was heard from, and "
+                        "its machine %s: a network fault, not its death; lost only if it "
+                        "goes silent for %gs", "answers" if answer is Verdict.ALIVE
+                        else "did not answer in time", self._liveness)
+        self._drop_probe()
+
+    def _drop_probe(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+        self._probe, self._probing = None, set()
 
     def heartbeat_if_due(self, now: float, epoch: int, phase: str = "",
                          ranks: RankStates = ()) -> None:
@@ -389,6 +432,8 @@ class ControlPlane:
         self.next_heartbeat = now
         self._woke_at = now
         self._down.clear()
+        self._died = False
+        self._drop_probe()
 
     @property
     def knows_successors(self) -> bool:
@@ -399,6 +444,7 @@ class ControlPlane:
         """Its connection closed, or silent past the node timeout, once we know who would
         take over. A coordinator we host is not the one we follow once it redirected us (our
         node came back as the endpoint while the job ran under a successor)."""
+        self.on_probe(now)  # one not answered within the node timeout: no word of a death
         follows_own = self.hosting and self.coordinator_node in ("", self.node_id)
         return not follows_own and self.knows_successors and (
             self.connection_lost or now - self.last_heard > self._liveness
@@ -406,7 +452,7 @@ class ControlPlane:
 
     def fail_over(self, epoch: int, restart_count: int, group_world_size: int) -> str | None:
         """Follow the coordinator to its successor (maybe us); returns the successor or None."""
-        if not self._died(time.monotonic()):
+        if not self._died:  # it went silent: maybe cut off, alive (see has_quorum)
             self._cut_off.add(self.coordinator_node)
         self._lost.add(self.coordinator_node)
         by_rank = [m.node_id for m in self.members]
@@ -455,15 +501,6 @@ class ControlPlane:
         self.last_heard = time.monotonic()
         return successor
 
-    def _died(self, now: float) -> bool:
-        """The coordinator's process died (its connection closed while we still heard from
-        it), rather than its machine going silent: a silent one may be cut off, alive. The
-        live coordinator acks within half the timeout (ACK_WITHIN), so a death is told apart
-        from silence (went_silent) from a 3 s node timeout on (at 2 s a death may be taken
-        for silence: the successor then holds a tied round, the safe side)."""
-        return self.connection_lost and not went_silent(now - self.last_heard,
-                                                        self._node_timeout)
-
     def close(self) -> None:
         """Hosting, wait (up to the node timeout) until the job no longer needs us: a node
         leaving by a signal tells the others to go on once their ranks have stopped, and
@@ -471,6 +508,7 @@ class ControlPlane:
         for sock, monitor in zip((self.socket, self.watch), self.monitors, strict=True):
             _close(sock, monitor)
         self._drop_next()
+        self._drop_probe()
         if self.coordinator is not None:
             self.coordinator.wait_handed_over(self._node_timeout)
             self.coordinator.close()
@@ -481,6 +519,15 @@ class ControlPlane:
 
 
 _CONNECTION_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED
+
+
+def _resolved(host: str) -> str:
+    """``host``'s address, looked up now, while the network is fine (a probe must not wait
+    for DNS when it is not); the name itself if that fails."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
 
 
 def _close(sock: zmq.Socket, monitor: zmq.Socket) -> None:

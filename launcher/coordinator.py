@@ -54,6 +54,7 @@ from ftlaunch_contract.messages import (
 from ftlaunch_contract.protocol import Codec, Envelope, ProtocolError
 from launcher import exit_codes, failures, membership, recovery, replica_plan
 from launcher.commits import CommitLog
+from launcher.peer_probe import Probe, Verdict
 
 log = logging.getLogger("ftlaunch.coordinator")
 
@@ -235,6 +236,8 @@ class Coordinator:
                                         daemon=True)
         self._fds: dict[bytes, int] = {}  # a peer's connection (its file descriptor)
         self._beats: dict[bytes, tuple[float, float]] = {}  # a connection's last ack and beat
+        self._probes: dict[str, Probe] = {}  # a member whose connection closed while heard
+        self._poller: zmq.Poller | None = None  # the serving loop's, once it runs
         self._announcers: dict[zmq.Socket, str] = {}  # to each endpoint, a socket
         self._announcement = announce[1] if announce else None
         self._rounds = 0  # rounds this coordinator formed
@@ -315,7 +318,7 @@ class Coordinator:
         # each message carries too: an agent process that died is acted on at once, not after
         # the node timeout (only a frozen or cut-off machine stays silent until then).
         monitor = connection_monitor(self._socket, zmq.EVENT_DISCONNECTED)
-        poller = zmq.Poller()
+        self._poller = poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         for announcer in self._announcers:
@@ -325,6 +328,8 @@ class Coordinator:
         finally:  # a monitor left open would block the context's term()
             self._socket.disable_monitor()
             monitor.close(linger=0)
+            for node in list(self._probes):
+                self._drop_probe(node)
 
     def _serve_with(self, poller: zmq.Poller, monitor: zmq.Socket) -> None:
         next_tick = 0.0
@@ -334,6 +339,8 @@ class Coordinator:
                 woke = time.monotonic()
                 if monitor in ready:  # first: a fd closed may be reused below
                     self._closed_connections(monitor)
+                if self._probes:
+                    self._probes_answered(time.monotonic())
                 for announcer in self._announcers.keys() & ready.keys():
                     self._answers_to_announcement(announcer)
                 emptied = self._drain()
@@ -343,6 +350,8 @@ class Coordinator:
                     self._stopping.wait(rest)
             if time.monotonic() >= next_tick:  # liveness scans are O(N): not once a message
                 next_tick = time.monotonic() + TICK_SECONDS
+                if self._probes:  # those that timed out
+                    self._probes_answered(time.monotonic())
                 try:
                     self._tick(time.monotonic())
                 except Exception:
@@ -885,17 +894,57 @@ class Coordinator:
 
     def _disconnected(self, identity: bytes, now: float) -> None:
         """A member's connection closed: its agent died (a process that exits closes its
-        sockets), or the kernel ended it after the node timeout without a packet from its
-        machine (keep_alive: powered off, cut off). A frozen process on a live machine
-        keeps its connection and is found by its heartbeats' silence."""
+        sockets), or the kernel ended it: after the node timeout without a packet from its
+        machine (keep_alive: powered off, cut off), or with its messages still coming under
+        packet loss (TCP_USER_TIMEOUT). A quiet one is lost now as silent; one still heard
+        from is probed (peer_probe): a death is acted on within a round trip, a live agent
+        is left to its heartbeats. A frozen process on a live machine keeps its connection
+        and is found by its heartbeats' silence."""
         s = self._state
         node = next((n for n, i in s.identities.items() if i == identity), None)
         if node is None or node == s.host_node or s.final is not None or node in s.leaving:
             return  # not a member (a status query, a spare's old link), or on its way out
-        silent = went_silent(now - s.last_seen.get(node, now), s.node_timeout)
-        why = f"nothing from its machine for {s.node_timeout:g}s" if silent \
-            else "its agent's connection closed"
-        self._lose(node, now, f"node {node} lost ({why})", silent)
+        if went_silent(now - s.last_seen.get(node, now), s.node_timeout):
+            self._lose(node, now, f"node {node} lost (nothing from its machine for "
+                       f"{s.node_timeout:g}s)", silent=True)
+            return
+        member, port = s.members.get(node), s.standby_ports.get(node)
+        if member is None or not port:
+            self._connection_closed(node, Verdict.DIED, now)  # nothing to ask: as it says
+            return
+        self._drop_probe(node)
+        probe = self._probes[node] = Probe(member.addr, port, s.node_timeout)
+        if self._poller is not None and probe.fd >= 0:
+            self._poller.register(probe.fd, zmq.POLLOUT)
+        self._probes_answered(now)  # refused at once, or no route
+
+    def _probes_answered(self, now: float) -> None:
+        for node, probe in list(self._probes.items()):
+            if (answer := probe.answer(now)) is not None:
+                self._drop_probe(node)
+                self._connection_closed(node, answer, now)
+
+    def _drop_probe(self, node: str) -> None:
+        probe = self._probes.pop(node, None)
+        if probe is None:
+            return
+        if self._poller is not None and probe.fd >= 0:
+            self._poller.unregister(probe.fd)
+        probe.close()
+
+    def _connection_closed(self, node: str, answer: Verdict, now: float) -> None:
+        """What a probe of a member whose connection closed while it was heard from said:
+        refused, its agent died; else its silence decides, as for any machine."""
+        s = self._state
+        if node not in s.identities or s.final is not None or node in s.leaving:
+            return  # lost or leaving meanwhile
+        if answer is Verdict.DIED:
+            self._lose(node, now, f"node {node} lost (its agent's connection closed)")
+        else:
+            log.warning("node %s: its connection closed while it was heard from, and its "
+                        "machine %s: a network fault, not its death; lost only if it goes "
+                        "silent for %gs", node, "answers" if answer is Verdict.ALIVE
+                        else "did not answer in time", self._liveness())
 
     def _lose(self, node: str, now: float, cause: str = "", silent: bool = False) -> None:
         """``silent``: its machine went quiet, so it may be alive behind a partition."""

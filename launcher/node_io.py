@@ -116,7 +116,7 @@ class NodeIO:
         for fd in (self.hub.socket, self._signal_fd, self.replicas.fd,
                    *([self.health.fd] if self.health is not None else [])):
             self._poller.register(fd, zmq.POLLIN)
-        self._polled: set[Any] = set()
+        self._polled: dict[Any, int] = {}  # what the poller polls, for what
 
     def poll(self, timeout_ms: int) -> Iterator[Event]:
         """Wait up to ``timeout_ms`` for anything; yield what happened, in order."""
@@ -129,6 +129,8 @@ class NodeIO:
                     yield msg
             elif any(fd is monitor for monitor in self.control.monitors):
                 self.control.on_monitor()  # coordinator_lost() says what it means, at once
+            elif fd == self.control.probe_fd:
+                self.control.on_probe()  # likewise
             elif fd is self.hub.socket:
                 yield RanksSpoke()
             elif fd == self.replicas.fd:
@@ -146,15 +148,19 @@ class NodeIO:
                     yield exit_
 
     def _sync_poller(self) -> None:
-        """Poll exactly the live ranks' pidfds and output pipes, the rank template, and the
-        control plane's sockets (a failover moves it to another)."""
-        wanted: set[Any] = {*self.workers.fds(), self.control.socket, *self.control.monitors}
+        """Poll exactly the live ranks' pidfds and output pipes, the rank template, the
+        control plane's sockets (a failover moves it to another) and its probe, if any."""
+        wanted: dict[Any, int] = dict.fromkeys(
+            (*self.workers.fds(), self.control.socket, *self.control.monitors), zmq.POLLIN)
         if self.template is not None and self.template.fd is not None:
-            wanted.add(self.template.fd)
-        for fd in self._polled - wanted:
+            wanted[self.template.fd] = zmq.POLLIN
+        if self.control.probe_fd >= 0:
+            wanted[self.control.probe_fd] = zmq.POLLOUT  # a connect's end: accepted or refused
+        for fd in self._polled.keys() - wanted.keys():
             self._poller.unregister(fd)
-        for fd in wanted - self._polled:
-            self._poller.register(fd, zmq.POLLIN)
+        for fd, flags in wanted.items():
+            if self._polled.get(fd) != flags:
+                self._poller.register(fd, flags)
         self._polled = wanted
 
     def _rank_env(self, rank_dir: Path) -> dict[str, str]:

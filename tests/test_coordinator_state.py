@@ -19,6 +19,7 @@ from ftlaunch_contract.protocol import Codec, Envelope
 from launcher import coordinator as coordinator_module
 from launcher import exit_codes
 from launcher.coordinator import FOLLOWED_QUIET, Coordinator, JobState
+from launcher.peer_probe import Verdict
 
 SECRET = b"k" * 32
 NODES = [f"n{i}" for i in range(5)]
@@ -326,10 +327,26 @@ def test_a_members_closed_connection_is_a_lost_node_at_once():
     coordinator._disconnected(b"someone-else", 2.0)  # a status query's socket, say
     coordinator._disconnected(b"a", 2.0)  # the host's own agent: alive by definition
     assert sorted(state.group_ranks) == ["a", "b"] and state.phase == "running"
-    coordinator._disconnected(b"b", 2.0)  # long before the node timeout (5 s)
+    coordinator._connection_closed("b", Verdict.DIED, 2.0)  # long before the node timeout (5 s)
     assert "b" not in state.group_ranks and state.restart_count == restarts + 1
     recover = [m.body for to, m in socket.sent if m.body.TYPE == "recover"][-1]
     assert recover.cause == "node b lost (its agent's connection closed)"
+
+
+@pytest.mark.parametrize("answer", [Verdict.ALIVE, Verdict.UNKNOWN])
+def test_a_members_connection_closed_by_the_network_is_no_death(answer):
+    """Closed while heard from, and its machine accepts a new connection (or says nothing):
+    the kernel ended it (packet loss past TCP_USER_TIMEOUT). No recovery; its silence
+    decides, and then it is lost as silent (it may train on: it counts as the other side)."""
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    _running(coordinator)
+    state, restarts = coordinator._state, coordinator._state.restart_count
+    coordinator._connection_closed("b", answer, 2.0)
+    assert sorted(state.group_ranks) == ["a", "b"] and state.restart_count == restarts
+    assert not [m for _, m in socket.sent if m.body.TYPE == "recover"]
+    state.last_seen["a"] = 1.0 + coordinator._liveness() + 0.5
+    coordinator._tick(1.0 + coordinator._liveness() + 0.5)
+    assert "b" not in state.group_ranks and state.gone == set()
 
 
 def test_heartbeats_are_acked_a_few_times_per_node_timeout_not_each():
@@ -477,7 +494,7 @@ def test_the_endpoints_running_coordinator_tells_a_node_it_lost_that_took_over_t
     before = len(socket.sent)
     coordinator._handle(b"b-announcer", Envelope(1, announcement), 2.0)
     assert socket.sent[before:] == [], "b is still a member: no answer"
-    coordinator._disconnected(b"b", 2.0)  # b lost; the job goes on without it, with c
+    coordinator._connection_closed("b", Verdict.DIED, 2.0)  # b lost; the job goes on without it, with c
     _join_round(coordinator, "c", seated_epoch=-1, now=2.1)
     _join_round(coordinator, "a", seated_epoch=1, now=2.1)
     coordinator._tick(2.2)
@@ -604,7 +621,7 @@ def test_an_endpoint_cut_off_from_every_node_follows_the_successor_the_job_went_
     coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
     _running(coordinator)
     state = coordinator._state
-    coordinator._disconnected(b"b", 2.0)  # cut off: b is lost, a is alone
+    coordinator._connection_closed("b", Verdict.DIED, 2.0)  # cut off: b is lost, a is alone
     assert set(state.group_ranks) == {"a"} and state.epoch == 1
 
     def answers(to: bytes, after: int) -> list[object]:
@@ -638,7 +655,7 @@ def test_two_successors_announcing_at_one_epoch_do_not_send_the_endpoints_agents
     follows while that one announces; the other wins once the first goes quiet."""
     coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
     _running(coordinator)
-    coordinator._disconnected(b"b", 2.0)  # a alone
+    coordinator._connection_closed("b", Verdict.DIED, 2.0)  # a alone
     first = CONTROL["redirect"](coordinator_node="b", addr="10.0.0.2", port=4000)
     second = CONTROL["redirect"](coordinator_node="c", addr="10.0.0.3", port=4000)
     for i in range(10):
@@ -665,7 +682,7 @@ def test_a_spare_silent_for_half_the_liveness_timeout_is_not_seated_until_it_spe
     liveness = coordinator._liveness()
     later = 1.4 + liveness / 2 + 0.1  # s silent since 1.4; a beats on
     state.last_seen["a"] = later
-    coordinator._disconnected(b"b", later)  # b gone: its seat is free
+    coordinator._connection_closed("b", Verdict.DIED, later)  # b gone: its seat is free
     assert state.phase == "joining" and "s" not in state.round_joined
     coordinator._tick(later + 0.05)
     assert state.phase == "joining", "the round must not close with a silent spare"
@@ -741,8 +758,8 @@ def test_nodes_whose_agents_died_count_for_no_side():
     partition: one node of three goes on."""
     coordinator = _elastic_job("abc")
     state = coordinator._state
-    coordinator._disconnected(b"b", 2.0)
-    coordinator._disconnected(b"c", 2.0)
+    coordinator._connection_closed("b", Verdict.DIED, 2.0)
+    coordinator._connection_closed("c", Verdict.DIED, 2.0)
     assert state.gone == {"b", "c"}
     _join_round(coordinator, "a", seated_epoch=1, now=2.1)
     _silent_but(coordinator, "a", 2.7)
@@ -807,7 +824,7 @@ def test_a_rounds_idle_spares_vote_on_the_next():
     coordinator = _elastic_job("ab")
     state = coordinator._state
     _join_round(coordinator, "s", seated_epoch=-1, now=1.2)  # after the round: waits
-    coordinator._disconnected(b"b", 1.5)  # b's agent died: s takes its seat
+    coordinator._connection_closed("b", Verdict.DIED, 1.5)  # b's agent died: s takes its seat
     _join_round(coordinator, "a", seated_epoch=1, now=1.6)
     _silent_but(coordinator, "as", 2.2)
     assert state.phase == "waiting_store" and sorted(state.group_ranks) == ["a", "s"]

@@ -4,6 +4,8 @@ its connection for a lost coordinator."""
 
 from __future__ import annotations
 
+import select
+import subprocess
 import time
 
 import psutil
@@ -100,8 +102,17 @@ def _closed_under(plane: ControlPlane, router: zmq.Socket) -> None:
             event = recv_monitor_message(plane.monitors[0])
             plane.on_connection_event(event)
             if event["event"] == zmq.EVENT_DISCONNECTED:
+                _probe_answered(plane, end)
                 return
     raise AssertionError("no disconnect seen")
+
+
+def _probe_answered(plane: ControlPlane, until: float) -> None:
+    """Until the plane's probe of a closed connection (if it sent one) has its answer."""
+    while plane.probe_fd >= 0:
+        assert time.monotonic() < until, "the probe was never answered"
+        select.select([], [plane.probe_fd], [], 0.05)
+        plane.on_probe()
 
 
 def test_an_agent_that_was_frozen_does_not_take_its_dropped_connection_for_a_lost_coordinator():
@@ -119,6 +130,51 @@ def test_an_agent_that_was_frozen_does_not_take_its_dropped_connection_for_a_los
             assert plane.connection_lost is (not frozen)
             plane.close()
     finally:
+        ctx.destroy(linger=0)
+
+
+def _kernel_ends(port: int) -> None:
+    """Abort the local TCP connections to ``port`` (ss -K, as TCP_USER_TIMEOUT under packet
+    loss would): both processes live, both ends see the connection close."""
+    subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"], check=True,
+                   capture_output=True)
+
+
+def test_an_agent_whose_connection_the_kernel_ended_keeps_its_live_coordinator():
+    """The connection to the coordinator closes while it is heard from and its process
+    listens on: a network fault, not its death (a chaos run with packet loss replaced a
+    live node). Then its process ends: the probe is refused, lost at once."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    plane = _control_plane(ctx, port)
+    try:
+        plane.socket.send(b"x")
+        assert router.poll(5000)
+        router.recv_multipart()
+        _kernel_ends(port)
+        end, seen = time.monotonic() + 10, 0
+        while seen != zmq.EVENT_DISCONNECTED:
+            assert time.monotonic() < end, "no disconnect seen"
+            if plane.monitors[0].poll(50):
+                event = recv_monitor_message(plane.monitors[0])
+                plane.on_connection_event(event)
+                seen = event["event"]
+        _probe_answered(plane, end)
+        assert not plane.connection_lost and not plane.coordinator_lost(time.monotonic())
+        plane.socket.send(b"y")  # ZeroMQ reconnected: the coordinator hears us again
+        assert router.poll(5000), "the connection did not come back"
+        router.recv_multipart()
+    finally:
+        router.close(linger=0)
+    try:
+        while not plane.connection_lost:
+            assert time.monotonic() < end, "the coordinator's death was not seen"
+            if plane.monitors[0].poll(50):
+                plane.on_connection_event(recv_monitor_message(plane.monitors[0]))
+                _probe_answered(plane, end)
+    finally:
+        plane.close()
         ctx.destroy(linger=0)
 
 

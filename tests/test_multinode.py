@@ -8,6 +8,7 @@ import json
 import re
 import signal
 import socket
+import subprocess
 import time
 
 import psutil
@@ -142,6 +143,34 @@ def test_coordinator_loss_successor_takes_over(tmp_path, launch):
     # the successor: its process was not stopped and started again.
     assert re.search(r"ranks back [\d.]+s after the failure \(decide .*; ranks resumed \[\d\]\)",
                      worker_node.output), worker_node.output
+
+
+def test_control_connections_the_kernel_ends_while_every_agent_lives_cost_nothing(
+        tmp_path, launch):
+    """Packet loss past TCP_USER_TIMEOUT ends a connection while both agents live and hear
+    each other (chaos 3-node seed 1587: the coordinator replaced a live node). Here the
+    kernel aborts every agent's connection to the coordinator (ss -K): each end probes the
+    other's machine, finds its agent there, and the job trains on without a recovery."""
+    port = _free_port()
+    coordinator_node, worker_node = _node(launch, port, "2", *_train_args(tmp_path)), None
+    _wait_listening(port)
+    worker_node = _node(launch, port, "2", *_train_args(tmp_path))
+    with _post_mortem([coordinator_node, worker_node]):
+        for run in (coordinator_node, worker_node):
+            run.wait_for(r"step 20 ")
+        ended = subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"],
+                               capture_output=True, text=True, check=True)
+        assert ended.stdout.count("ESTAB") >= 2, ended.stdout  # both agents' connections
+        coordinator_node.wait_for(r"node \S+ its connection closed while it was heard from, "
+                                  r"and its machine answers")
+        assert coordinator_node.finish() == 0, coordinator_node.output
+        assert worker_node.finish() == 0, worker_node.output
+    both = coordinator_node.output + worker_node.output
+    assert not re.search(r"node \S+ lost \(|-> \w+ restart \d", both), both
+    assert "connection to the coordinator closed while it was heard from, and its machine " \
+        "answers" in worker_node.output
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["restart_count"] == 0 and result["final_step"] == 80
 
 
 def test_late_joiner_scales_the_job_up(tmp_path, launch):
