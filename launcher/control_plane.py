@@ -390,7 +390,7 @@ class ControlPlane:
 
     @property
     def probe_fd(self) -> int:
-        """The probe's socket, to poll for writing (-1: none under way)."""
+        """The probe's socket, to poll for reading (-1: none under way)."""
         return self._probe.fd if self._probe is not None else -1
 
     def on_probe(self, now: float | None = None) -> None:

@@ -915,7 +915,7 @@ class Coordinator:
         self._drop_probe(node)
         probe = self._probes[node] = Probe(member.addr, port, s.node_timeout)
         if self._poller is not None and probe.fd >= 0:
-            self._poller.register(probe.fd, zmq.POLLOUT)
+            self._poller.register(probe.fd, zmq.POLLIN)
         self._probes_answered(now)  # refused at once, or no route
 
     def _probes_answered(self, now: float) -> None:

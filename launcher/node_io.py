@@ -116,7 +116,7 @@ class NodeIO:
         for fd in (self.hub.socket, self._signal_fd, self.replicas.fd,
                    *([self.health.fd] if self.health is not None else [])):
             self._poller.register(fd, zmq.POLLIN)
-        self._polled: dict[Any, int] = {}  # what the poller polls, for what
+        self._polled: set[Any] = set()
 
     def poll(self, timeout_ms: int) -> Iterator[Event]:
         """Wait up to ``timeout_ms`` for anything; yield what happened, in order."""
@@ -148,19 +148,17 @@ class NodeIO:
                     yield exit_
 
     def _sync_poller(self) -> None:
-        """Poll exactly the live ranks' pidfds and output pipes, the rank template, the
-        control plane's sockets (a failover moves it to another) and its probe, if any."""
-        wanted: dict[Any, int] = dict.fromkeys(
-            (*self.workers.fds(), self.control.socket, *self.control.monitors), zmq.POLLIN)
-        if self.template is not None and self.template.fd is not None:
-            wanted[self.template.fd] = zmq.POLLIN
+        """Poll exactly the live ranks' pidfds and output pipes, the rank template, and the
+        control plane's sockets (a failover moves it to another) and probe, if any."""
+        wanted: set[Any] = {*self.workers.fds(), self.control.socket, *self.control.monitors}
         if self.control.probe_fd >= 0:
-            wanted[self.control.probe_fd] = zmq.POLLOUT  # a connect's end: accepted or refused
-        for fd in self._polled.keys() - wanted.keys():
+            wanted.add(self.control.probe_fd)
+        if self.template is not None and self.template.fd is not None:
+            wanted.add(self.template.fd)
+        for fd in self._polled - wanted:
             self._poller.unregister(fd)
-        for fd, flags in wanted.items():
-            if self._polled.get(fd) != flags:
-                self._poller.register(fd, flags)
+        for fd in wanted - self._polled:
+            self._poller.register(fd, zmq.POLLIN)
         self._polled = wanted
 
     def _rank_env(self, rank_dir: Path) -> dict[str, str]:

@@ -5,9 +5,13 @@ kernel closed its connections) and a connection our kernel ended while the peer 
 (TCP_USER_TIMEOUT under packet loss, while its messages still reach us the other way).
 Only the first is a death, acted on at once and counted for no side of a partition; taking
 the second for one replaces a live node and can let both sides of a lossy link go on alone.
-A fresh connect to the peer's listening port tells them apart within a round trip: refused,
-nothing listens there any more (the process died); accepted, it lives; no answer, the probe
-says nothing and the peer's silence decides, after the node timeout, as for any machine.
+A fresh connect to the peer's listening port (a ZeroMQ socket) tells them apart within a
+round trip: refused, nothing listens there any more, or reset, it was closed meanwhile (the
+process died); greeted, a live ZeroMQ I/O thread accepted it; no answer, the probe says
+nothing and the peer's silence decides, after the node timeout, as for any machine. A kernel
+accepting is not enough: a SIGKILLed process's connections close in the order of their file
+descriptors, and a probe that comes between its connection's close and its listening
+socket's is accepted by a process already dead (then reset).
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ import time
 
 
 class Verdict(enum.Enum):
-    DIED = "died"  # its machine answered and refused: no process listens any more
-    ALIVE = "alive"  # its machine accepted: the process (or its kernel, for a frozen one) is there
+    DIED = "died"  # its machine refused, or reset what it had accepted: no process listens
+    ALIVE = "alive"  # its process greeted us: it lives
     UNKNOWN = "unknown"  # no answer in time, or no route: silence will decide
 
 
@@ -29,15 +33,16 @@ def verdict(error: int) -> Verdict:
     """What a finished connect's error (0: connected) says of the peer."""
     if error == 0:
         return Verdict.ALIVE
-    if error == errno.ECONNREFUSED:
+    if error in (errno.ECONNREFUSED, errno.ECONNRESET):
         return Verdict.DIED
     return Verdict.UNKNOWN
 
 
 class Probe:
-    """One non-blocking connect to ``host:port``: poll ``fd`` for writing (a refusal shows
-    there as an error) and read ``answer()``, None while it is under way. ``fd`` keeps its
-    number once the answer closed the socket, to unregister it; -1 if never polled."""
+    """One non-blocking connect to ``host:port``: poll ``fd`` for reading (a refusal or a
+    reset shows there as an error, a greeting as data) and read ``answer()``, None while it
+    is under way. ``fd`` keeps its number once the answer closed the socket, to unregister
+    it; -1 if never polled."""
 
     def __init__(self, host: str, port: int, timeout: float):
         self.deadline = time.monotonic() + timeout
@@ -56,15 +61,28 @@ class Probe:
         self.fd = self._sock.fileno() if self._sock is not None else -1
 
     def answer(self, now: float | None = None) -> Verdict | None:
-        """The verdict once the connect finished (or timed out: UNKNOWN), else None."""
+        """The verdict once the peer greeted, refused or reset (or the deadline passed:
+        UNKNOWN), else None."""
         if self._result is None and self._sock is not None:
             poller = select.poll()  # not select(): a coordinator holds fds past 1,024
-            poller.register(self._sock, select.POLLOUT)
+            poller.register(self._sock, select.POLLIN)
             if poller.poll(0):
-                self._settle(self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR))
+                self._settle(self._said())
             elif (time.monotonic() if now is None else now) >= self.deadline:
                 self._settle(errno.ETIMEDOUT)
         return self._result
+
+    def _said(self) -> int:
+        """What a readable probe shows: 0 for a greeting, else an error (an end of stream
+        as a reset)."""
+        assert self._sock is not None
+        error = self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if error:
+            return error
+        try:
+            return 0 if self._sock.recv(1, socket.MSG_PEEK) else errno.ECONNRESET
+        except OSError as e:
+            return e.errno or errno.ECONNRESET
 
     def close(self) -> None:
         if self._sock is not None:

@@ -86,6 +86,16 @@ class Launch:
 
 needs_iptables = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("iptables") is None,
                                     reason="silencing a connection needs root and iptables")
+needs_ss_kill = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ss") is None,
+                                   reason="ending live connections (ss -K) needs root and ss")
+
+
+def end_connections_to(port: int) -> str:
+    """Have the kernel abort every local TCP connection to ``port`` (ss -K: both processes
+    live and both ends see the connection close, as TCP_USER_TIMEOUT under packet loss
+    does); returns what ss listed."""
+    return subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"],
+                          capture_output=True, text=True, check=True).stdout
 
 
 @contextlib.contextmanager

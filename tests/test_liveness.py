@@ -5,12 +5,11 @@ its connection for a lost coordinator."""
 from __future__ import annotations
 
 import select
-import subprocess
 import time
 
 import psutil
 import zmq
-from conftest import needs_iptables, silenced
+from conftest import end_connections_to, needs_iptables, needs_ss_kill, silenced
 from zmq.utils.monitor import recv_monitor_message
 
 from launcher.control_plane import ControlPlane
@@ -111,7 +110,7 @@ def _probe_answered(plane: ControlPlane, until: float) -> None:
     """Until the plane's probe of a closed connection (if it sent one) has its answer."""
     while plane.probe_fd >= 0:
         assert time.monotonic() < until, "the probe was never answered"
-        select.select([], [plane.probe_fd], [], 0.05)
+        select.select([plane.probe_fd], [], [], 0.05)
         plane.on_probe()
 
 
@@ -133,13 +132,7 @@ def test_an_agent_that_was_frozen_does_not_take_its_dropped_connection_for_a_los
         ctx.destroy(linger=0)
 
 
-def _kernel_ends(port: int) -> None:
-    """Abort the local TCP connections to ``port`` (ss -K, as TCP_USER_TIMEOUT under packet
-    loss would): both processes live, both ends see the connection close."""
-    subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"], check=True,
-                   capture_output=True)
-
-
+@needs_ss_kill
 def test_an_agent_whose_connection_the_kernel_ended_keeps_its_live_coordinator():
     """The connection to the coordinator closes while it is heard from and its process
     listens on: a network fault, not its death (a chaos run with packet loss replaced a
@@ -152,7 +145,7 @@ def test_an_agent_whose_connection_the_kernel_ended_keeps_its_live_coordinator()
         plane.socket.send(b"x")
         assert router.poll(5000)
         router.recv_multipart()
-        _kernel_ends(port)
+        end_connections_to(port)
         end, seen = time.monotonic() + 10, 0
         while seen != zmq.EVENT_DISCONNECTED:
             assert time.monotonic() < end, "no disconnect seen"

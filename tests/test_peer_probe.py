@@ -1,7 +1,7 @@
 """Telling a dead peer from a broken connection (launcher/peer_probe.py), on real sockets:
-a probe of a port nothing listens on is refused, one of a live listener accepted, one of a
-silenced machine unanswered; and the coordinator loses a member whose connection closed
-only when its machine refuses the probe."""
+a probe of a port nothing listens on is refused, one of a live ZeroMQ socket greeted, one
+of a silenced machine or a frozen process unanswered; and the coordinator loses a member
+whose connection closed only when its machine refuses the probe."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import socket
 import time
 
 import pytest
+import zmq
 from conftest import needs_iptables, silenced
 from test_coordinator_state import _running, _two_nodes_joined
 
@@ -23,34 +24,65 @@ def _answer(probe: Probe, within: float = 5.0) -> Verdict:
     end = time.monotonic() + within
     while (answer := probe.answer()) is None:
         assert time.monotonic() < end, "the probe never answered"
-        select.select([], [probe.fd], [], 0.05)
+        select.select([probe.fd], [], [], 0.05)
     return answer
 
 
 def _listener() -> socket.socket:
+    """A port the kernel accepts connections on, and no process greets."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
     return sock
 
 
+def _zmq_router(ctx: zmq.Context) -> tuple[zmq.Socket, int]:
+    """What a probe meets at a live agent or coordinator: a ZeroMQ socket, which greets."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    return router, router.bind_to_random_port("tcp://127.0.0.1")
+
+
 def test_errors_say_died_alive_or_nothing():
     assert verdict(0) is Verdict.ALIVE
     assert verdict(errno.ECONNREFUSED) is Verdict.DIED
+    assert verdict(errno.ECONNRESET) is Verdict.DIED
     for error in (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EMFILE):
         assert verdict(error) is Verdict.UNKNOWN
 
 
-def test_a_listening_port_is_alive_and_a_closed_one_died():
-    listener = _listener()
-    port = listener.getsockname()[1]
+def test_a_live_zeromq_socket_is_alive_and_a_closed_port_died():
+    ctx = zmq.Context()
+    router, port = _zmq_router(ctx)
     try:
         assert _answer(Probe("127.0.0.1", port, 5.0)) is Verdict.ALIVE
     finally:
-        listener.close()
+        router.close()
+        ctx.term()
     probe = Probe("127.0.0.1", port, 5.0)
     assert _answer(probe) is Verdict.DIED
     assert probe.answer() is Verdict.DIED and probe.fd >= 0, "answered once, kept"
+
+
+def test_a_connection_accepted_by_a_process_already_dying_is_a_death():
+    """A SIGKILLed process's sockets close in file-descriptor order: a probe sent as its
+    connection closed may be accepted by its listening socket, closed a moment later. The
+    accept alone proves nothing; the reset that follows says it died."""
+    listener = _listener()
+    probe = Probe("127.0.0.1", listener.getsockname()[1], 5.0)
+    assert not select.select([probe.fd], [], [], 0.2)[0], "no process greets here"
+    assert probe.answer() is None, "accepted by the kernel, not yet answered"
+    listener.close()  # the rest of the dying process's descriptors
+    assert _answer(probe) is Verdict.DIED
+
+
+def test_a_port_accepted_but_never_greeted_says_nothing_by_the_deadline():
+    """A frozen process: its kernel accepts, its I/O thread never speaks. Silence decides."""
+    listener = _listener()
+    try:
+        assert _answer(Probe("127.0.0.1", listener.getsockname()[1], 0.3)) is Verdict.UNKNOWN
+    finally:
+        listener.close()
 
 
 def test_a_name_is_not_looked_up_and_says_nothing():
@@ -60,16 +92,16 @@ def test_a_name_is_not_looked_up_and_says_nothing():
 
 @needs_iptables
 def test_a_silent_machine_says_nothing_by_the_deadline():
-    listener = _listener()
-    port = listener.getsockname()[1]
+    ctx = zmq.Context()
+    router, port = _zmq_router(ctx)
     try:
         with silenced([port]):
             probe = Probe("127.0.0.1", port, 0.3)
-            assert not select.select([], [probe.fd], [], 0.2)[1], "answered through a DROP"
+            assert not select.select([probe.fd], [], [], 0.2)[0], "answered through a DROP"
             assert _answer(probe, within=3.0) is Verdict.UNKNOWN
-            assert probe.answer() is Verdict.UNKNOWN
     finally:
-        listener.close()
+        router.close()
+        ctx.term()
 
 
 @pytest.mark.parametrize("agent", ["alive", "died"])
@@ -79,9 +111,10 @@ def test_the_coordinator_loses_a_member_whose_connection_closed_only_if_it_died(
     coordinator, socket_ = _two_nodes_joined({"a": (), "b": ()})
     _running(coordinator)
     state, restarts = coordinator._state, coordinator._state.restart_count
-    standby = _listener()
+    ctx = zmq.Context()
+    standby, port = _zmq_router(ctx)
     state.members["b"] = dataclasses.replace(state.members["b"], addr="127.0.0.1")
-    state.standby_ports["b"] = standby.getsockname()[1]
+    state.standby_ports["b"] = port
     if agent == "died":
         standby.close()
     try:
@@ -93,6 +126,7 @@ def test_the_coordinator_loses_a_member_whose_connection_closed_only_if_it_died(
             coordinator._probes_answered(time.monotonic())
     finally:
         standby.close()
+        ctx.term()
     lost = "b" not in state.group_ranks
     assert lost is (agent == "died")
     assert state.restart_count == restarts + lost
