@@ -94,7 +94,7 @@ def _closed_under(plane: ControlPlane, router: zmq.Socket) -> None:
     plane.socket.send(b"x")  # connected (the ROUTER has it), so the close is news
     assert router.poll(5000)
     router.recv_multipart()
-    router.close(linger=0)
+    _close_for_good(router)
     end = time.monotonic() + 10
     while time.monotonic() < end:
         if plane.monitors[0].poll(50):
@@ -104,6 +104,13 @@ def _closed_under(plane: ControlPlane, router: zmq.Socket) -> None:
                 _probe_answered(plane, end)
                 return
     raise AssertionError("no disconnect seen")
+
+
+def _close_for_good(router: zmq.Socket) -> None:
+    """Close ``router`` and its own context: once this returns its port refuses (ZeroMQ
+    closes sockets in its I/O thread, later; a probe could meet the listener still open)."""
+    router.close(linger=0)
+    router.context.term()
 
 
 def _probe_answered(plane: ControlPlane, until: float) -> None:
@@ -120,7 +127,7 @@ def test_an_agent_that_was_frozen_does_not_take_its_dropped_connection_for_a_los
     ctx = zmq.Context()
     try:
         for frozen in (False, True):
-            router = ctx.socket(zmq.ROUTER)
+            router = zmq.Context().socket(zmq.ROUTER)  # its own: see _close_for_good
             port = router.bind_to_random_port("tcp://127.0.0.1")
             plane = _control_plane(ctx, port)
             if frozen:
@@ -138,7 +145,7 @@ def test_an_agent_whose_connection_the_kernel_ended_keeps_its_live_coordinator()
     listens on: a network fault, not its death (a chaos run with packet loss replaced a
     live node). Then its process ends: the probe is refused, lost at once."""
     ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
+    router = zmq.Context().socket(zmq.ROUTER)  # its own: see _close_for_good
     port = router.bind_to_random_port("tcp://127.0.0.1")
     plane = _control_plane(ctx, port)
     try:
@@ -159,7 +166,7 @@ def test_an_agent_whose_connection_the_kernel_ended_keeps_its_live_coordinator()
         assert router.poll(5000), "the connection did not come back"
         router.recv_multipart()
     finally:
-        router.close(linger=0)
+        _close_for_good(router)
     try:
         while not plane.connection_lost:
             assert time.monotonic() < end, "the coordinator's death was not seen"
