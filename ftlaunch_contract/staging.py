@@ -28,7 +28,7 @@ from typing import Any
 import msgpack
 
 from ftlaunch_contract import shards
-from ftlaunch_contract.storage import open_storage
+from ftlaunch_contract.storage import Storage, open_storage
 
 log = logging.getLogger("ftlaunch.staging")
 
@@ -277,16 +277,28 @@ def flush(directory: str | Path) -> list[tuple[int, int]]:
             storage = open_storage(meta["dest"])
             if storage.exists(shards.meta_name(step, rank)):
                 continue
-            with open(data_path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
-                view = memoryview(m)[:meta["nbytes"]]
-                try:
-                    shards.persist(storage, meta, view)
-                finally:
-                    view.release()
+            _persist_mapped(storage, meta, data_path)
             written.append((rank, step))
         except (OSError, ValueError) as e:
             log.warning("could not persist rank %d's staged step %d: %s", rank, step, e)
     return written
+
+
+def _persist_mapped(storage: Storage, meta: dict[str, Any], data_path: Path) -> None:
+    """Persist a staged shard from its mapping. A failure is raised once the mapping is
+    closed: its traceback holds the writer's views of it, which would make the close
+    fail instead (BufferError, masking the error and ending the agent: chaos seed 1806)."""
+    failure: BaseException | None = None
+    with open(data_path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        view = memoryview(m)[:meta["nbytes"]]
+        try:
+            shards.persist(storage, meta, view)
+        except (OSError, ValueError) as e:
+            failure = e.with_traceback(None)  # without the frames that hold the views
+        finally:
+            view.release()
+    if failure is not None:
+        raise failure
 
 
 def _shm_or_none() -> str | None:

@@ -17,6 +17,7 @@ import ctypes
 import errno
 import mmap
 import os
+import secrets
 import threading
 from pathlib import Path
 from typing import Protocol
@@ -65,7 +66,10 @@ class PosixStorage:
         small ones, and file systems without O_DIRECT, through the page cache."""
         path = self.root / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
+        # A name of its own: several writers of one object (the agents of a job's end each
+        # persisting their copy of a staged shard, on a shared file system) must not write
+        # into one temporary file, one truncating what the other is about to rename.
+        tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}.tmp")
         try:
             with memoryview(data) as view, view.cast("B") as raw:
                 if len(raw) < DIRECT_MIN or not _write_direct(tmp, raw):

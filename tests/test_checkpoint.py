@@ -363,6 +363,51 @@ def test_a_replacement_restores_from_staging_without_touching_storage(tmp_path):
     replacement.close()
 
 
+def test_two_writers_of_one_object_at_once_each_leave_it_whole(tmp_path):
+    """At a job's end every agent persists its copy of a staged shard not yet durable: on a
+    shared file system two may write one object at once (chaos seed 1806: one's rename
+    found the temporary file the other had renamed). Whichever lands last, it is whole."""
+    store = PosixStorage(str(tmp_path))
+    size = 16 << 20
+    payloads = [bytes([1]) * size, bytes([2]) * size]
+    errors: list[BaseException] = []
+
+    def write(data: bytes) -> None:
+        try:
+            for _ in range(4):
+                store.write("step_000000001/rank_0.bin", data)
+        except BaseException as e:  # noqa: BLE001 - reported by the assert below
+            errors.append(e)
+    writers = [threading.Thread(target=write, args=(p,)) for p in payloads]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(timeout=120)
+    assert not errors, errors
+    assert store.read("step_000000001/rank_0.bin") in payloads, "torn: a mix of the two"
+    assert [p.name for p in (tmp_path / "step_000000001").iterdir()] == ["rank_0.bin"]
+
+
+def test_a_staged_shard_that_cannot_be_persisted_is_reported_not_fatal(tmp_path, caplog):
+    """A write that fails once the shard's mapping is in use (here its rename: the name is
+    taken by a directory) is logged and the others are persisted: the error once closed
+    the agent (BufferError: the mapping could not close while the failure's traceback held
+    views of it)."""
+    from ftlaunch_contract import staging
+
+    staging_dir = tmp_path / "shm"
+    staging_dir.mkdir()
+    for rank in (0, 1):
+        c = AsyncCheckpointer(tmp_path / "ckpt", rank=rank, world_size=2,
+                              staging_dir=str(staging_dir), persist_every=1000)
+        c.save(10, state={"x": torch.full((1 << 20,), float(rank))})
+    taken = tmp_path / "ckpt" / shards.data_name(10, 0)
+    taken.mkdir(parents=True)
+    (taken / "in-the-way").write_text("x")
+    assert staging.flush(staging_dir) == [(1, 10)]
+    assert "could not persist rank 0's staged step 10" in caplog.text
+
+
 def test_the_agent_persists_what_dead_ranks_staged(tmp_path):
     from ftlaunch_contract import staging
 
