@@ -31,6 +31,7 @@ Times are CLOCK_MONOTONIC, one clock for every process of the machine.
 import argparse
 import contextlib
 import datetime
+import errno
 import json
 import logging
 import multiprocessing as mp
@@ -117,6 +118,17 @@ def coordinator_cpu(pid, thread_id):
 
 
 # --- the simulated agents ------------------------------------------------------------------
+
+
+def refused_by(addr: str, port: int, until: float) -> None:
+    """Until ``addr:port`` refuses connections (ZeroMQ closes a socket in its I/O thread,
+    a moment after close() returns)."""
+    while time.monotonic() < until:
+        with socket.socket() as probe:
+            if probe.connect_ex((addr, port)) == errno.ECONNREFUSED:
+                return
+        time.sleep(0.001)
+    raise TimeoutError(f"{addr}:{port} still accepts connections")
 
 
 class Agents:
@@ -294,11 +306,12 @@ def agents_main(conn, port, ids, n, addr, node_timeout, interval, fds):
                 p = agents.planes[args[0]]
                 agents.closed.add(args[0])
                 agents.unwatch(args[0])
+                if p.standby is not None:  # nothing of a dead process listens (peer_probe):
+                    p.standby.close(linger=0)  # gone before its connections close
+                    refused_by(p.addr, p.standby_port, time.monotonic() + 10)
                 p.watch.close(linger=0)
                 t = time.monotonic()
                 p.socket.close(linger=0)
-                if p.standby is not None:
-                    p.standby.close(linger=0)
                 conn.send(t)
             elif cmd == "threads":  # the coordinator's thread, if this process hosts it
                 hosts = [p.coordinator for p in agents.planes.values() if p.hosting]
