@@ -39,7 +39,7 @@ from launcher.coordinator import (
     keep_alive,
     went_silent,
 )
-from launcher.peer_probe import Probe, Verdict
+from launcher.peer_probe import Probe, Verdict, no_death
 
 log = logging.getLogger("ftlaunch.control")
 
@@ -405,8 +405,7 @@ class ControlPlane:
         else:
             log.warning("connection to the coordinator closed while it was heard from, and "
                         "its machine %s: a network fault, not its death; lost only if it "
-                        "goes silent for %gs", "answers" if answer is Verdict.ALIVE
-                        else "did not answer in time", self._liveness)
+                        "goes silent for %gs", no_death(answer), self._liveness)
         self._drop_probe()
 
     def _drop_probe(self) -> None:

@@ -54,7 +54,7 @@ from ftlaunch_contract.messages import (
 from ftlaunch_contract.protocol import Codec, Envelope, ProtocolError
 from launcher import exit_codes, failures, membership, recovery, replica_plan
 from launcher.commits import CommitLog
-from launcher.peer_probe import Probe, Verdict
+from launcher.peer_probe import Probe, Verdict, no_death
 
 log = logging.getLogger("ftlaunch.coordinator")
 
@@ -339,8 +339,6 @@ class Coordinator:
                 woke = time.monotonic()
                 if monitor in ready:  # first: a fd closed may be reused below
                     self._closed_connections(monitor)
-                if self._probes:
-                    self._probes_answered(time.monotonic())
                 for announcer in self._announcers.keys() & ready.keys():
                     self._answers_to_announcement(announcer)
                 emptied = self._drain()
@@ -348,10 +346,10 @@ class Coordinator:
                     self._maybe_complete_round(time.monotonic())  # not a tick later
                 if emptied and (rest := woke + self._pace - time.monotonic()) > 0:
                     self._stopping.wait(rest)
+            if self._probes:  # answered (their sockets are polled too), or timed out
+                self._probes_answered(time.monotonic())
             if time.monotonic() >= next_tick:  # liveness scans are O(N): not once a message
                 next_tick = time.monotonic() + TICK_SECONDS
-                if self._probes:  # those that timed out
-                    self._probes_answered(time.monotonic())
                 try:
                     self._tick(time.monotonic())
                 except Exception:
@@ -943,8 +941,7 @@ class Coordinator:
         else:
             log.warning("node %s: its connection closed while it was heard from, and its "
                         "machine %s: a network fault, not its death; lost only if it goes "
-                        "silent for %gs", node, "answers" if answer is Verdict.ALIVE
-                        else "did not answer in time", self._liveness())
+                        "silent for %gs", node, no_death(answer), self._liveness())
 
     def _lose(self, node: str, now: float, cause: str = "", silent: bool = False) -> None:
         """``silent``: its machine went quiet, so it may be alive behind a partition."""

@@ -29,6 +29,11 @@ class Verdict(enum.Enum):
     UNKNOWN = "unknown"  # no answer in time, or no route: silence will decide
 
 
+def no_death(answer: Verdict) -> str:
+    """How a probe that found no death is reported: the peer lives, or said nothing."""
+    return "answers" if answer is Verdict.ALIVE else "did not answer in time"
+
+
 def verdict(error: int) -> Verdict:
     """What a finished connect's error (0: connected) says of the peer."""
     if error == 0:
