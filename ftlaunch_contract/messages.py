@@ -111,6 +111,7 @@ class Join(Body):
     held: HeldShards  # checkpoint shards whole in this node's memory
     restart_count: int  # the job's, as this agent knows it: a fresh coordinator takes the max
     seated_epoch: int  # the epoch of the round this node last held a seat in; -1: none yet
+    electorate_epoch: int  # see Heartbeat
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +120,9 @@ class Heartbeat(Body):
     node_id: str
     phase: str  # what the node is doing, and its ranks: the coordinator's picture of the job
     ranks: RankStates
+    # The epoch of the assign (or spare word) whose members and spares this node follows:
+    # it has learnt that round's electorate (see membership.settled); -1: none yet.
+    electorate_epoch: int
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -772,7 +772,8 @@ class Agent:
                                  rank_hint=self.plan.rank_hint, replica_port=self.replicas.port,
                                  held=self.replicas.inventory(),
                                  restart_count=self.restart_count,
-                                 seated_epoch=self.seated_epoch))
+                                 seated_epoch=self.seated_epoch,
+                                 electorate_epoch=self.control.electorate_epoch))
 
     def _done(self, exit_code: int) -> None:
         self.exit_code = exit_code

@@ -120,6 +120,7 @@ class ControlPlane:
         room_for_connections(new_state().max_nodes, self._watching)
         self.members: Successors = ()  # by group rank: who would take over the coordinator
         self.spares: Successors = ()  # the round's spares (they vote: see fail_over)
+        self.electorate_epoch = -1  # the epoch members and spares came at (see Heartbeat)
         self.coordinator_node = ""
         self.redirected = False  # we follow a redirect and have not been assigned since
         self._lost: set[str] = set()  # coordinators we failed over from, since members came
@@ -240,7 +241,7 @@ class ControlPlane:
             # by a partition: everyone) is not (chaos seeds 1301, 1306: a healed spare
             # passed over the live successor and, finding none, failed).
             self.members, self._lost, self._cut_off = received.body.members, set(), set()
-            self.spares = received.body.spares
+            self.spares, self.electorate_epoch = received.body.spares, received.epoch
             self.coordinator_node = received.body.coordinator_node
             self._takeover_due = True  # with our next heartbeat: not on the start's path
             if self._watching and self._watch_endpoint != self._endpoint:
@@ -419,7 +420,8 @@ class ControlPlane:
         job's from it, and its answers are then not stale to us. ``phase`` and ``ranks``:
         what this node is doing, for ``ftlaunch status``."""
         if now >= self.next_heartbeat:
-            self.send(Heartbeat(node_id=self.node_id, phase=phase, ranks=ranks), epoch)
+            self.send(Heartbeat(node_id=self.node_id, phase=phase, ranks=ranks,
+                                electorate_epoch=self.electorate_epoch), epoch)
             self.next_heartbeat = now + self._interval
             if self._takeover_due:
                 self._prepare_takeover()

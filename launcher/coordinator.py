@@ -157,6 +157,11 @@ class JobState:
     back: set[str] = field(default_factory=set)  # of them, heard since the round opened
     gone: set[str] = field(default_factory=set)  # of them, known not to train on anywhere
     wins_tie: bool = True  # half of them suffice: we ran it, or our predecessor died
+    # Earlier electorates most of whose voters have not yet said they learnt a later one:
+    # a round needs a quorum of each of them too (membership.settled).
+    earlier: list[membership.Electorate] = field(default_factory=list)
+    learnt: dict[str, int] = field(default_factory=dict)  # node -> its newest electorate epoch
+    heard: set[str] = field(default_factory=set)  # every node heard since the round opened
 
 
 def probe_interval(node_timeout: float) -> int:
@@ -241,7 +246,7 @@ class Coordinator:
         self._announcers: dict[zmq.Socket, str] = {}  # to each endpoint, a socket
         self._announcement = announce[1] if announce else None
         self._rounds = 0  # rounds this coordinator formed
-        self._short_of_quorum = False  # said so, for the round forming
+        self._said_short = False  # held for a quorum: said so, for the round forming
         self._pace = pace(state.max_nodes)
         for endpoint in announce[0] if announce else ():
             announcer = sock.context.socket(zmq.DEALER)
@@ -460,8 +465,10 @@ class Coordinator:
         s = self._state
         s.last_seen.pop(node, None)
         s.last_seen[node] = now
-        if s.phase == RoundPhase.JOINING and node in s.voters:
-            s.back.add(node)
+        if s.phase == RoundPhase.JOINING:
+            s.heard.add(node)
+            if node in s.voters:
+                s.back.add(node)
 
     # --- messages ------------------------------------------------------------------------
 
@@ -488,6 +495,7 @@ class Coordinator:
             s.epoch = received.epoch
         if isinstance(msg, Heartbeat):
             if node in s.members or node in s.group_ranks:  # after a takeover: not joined yet
+                self._learnt(node, msg.electorate_epoch)
                 self._seen(node, now)
                 s.node_status[node] = (msg.phase, msg.ranks)
                 s.identities[node] = identity
@@ -558,6 +566,7 @@ class Coordinator:
         s.standby_ports[node] = msg.standby_port
         s.replica_ports[node], s.held[node] = msg.replica_port, msg.held
         s.identities[node] = identity
+        self._learnt(node, msg.electorate_epoch)
         self._seen(node, now)
         if s.phase == RoundPhase.JOINING and msg.seated_epoch == s.electorate_epoch:
             s.back.add(node)  # of the last round, if a takeover's assign did not name it
@@ -653,7 +662,7 @@ class Coordinator:
 
     def _forget_leaving(self) -> None:
         s = self._state
-        s.gone |= s.leaving & s.voters  # they left by a signal: they train nowhere
+        s.gone |= s.leaving & self._voters()  # they left by a signal: they train nowhere
         for node in s.leaving:
             if s.group_ranks.pop(node, None) is not None:
                 s.expected.discard(node)
@@ -693,6 +702,7 @@ class Coordinator:
         s.phase = RoundPhase.JOINING
         s.round_joined.clear()
         s.back.clear()  # each survivor is heard again
+        s.heard.clear()
         s.joining_since = now
         s.min_reached_at = None
         if newcomer:
@@ -720,10 +730,15 @@ class Coordinator:
         s = self._state
         committed = s.commits.committed  # of the last world: the newest step storage has
         self._rounds += 1
+        if s.electorate:  # it votes on the next rounds too until most of it learnt the new one
+            s.earlier = [e for e in s.earlier if not membership.settled(e, self._told())]
+            s.earlier.append(membership.Electorate(s.electorate_epoch, s.electorate,
+                                                   frozenset(s.voters),
+                                                   frozenset(s.gone & s.voters)))
         s.epoch += 1
         s.expected_count = 0
-        s.back, s.gone, s.wins_tie = set(), set(), True
-        self._short_of_quorum = False
+        s.back, s.heard, s.gone, s.wins_tie = set(), set(), set(), True
+        self._said_short = False
         s.finished.clear()
         s.first_finished_at = None
         spares = self._idle_spares(now)
@@ -735,6 +750,8 @@ class Coordinator:
                          for n in self._idle_spares(now)[:SUCCESSORS])
         s.voters = set(s.group_ranks) | {spare.node_id for spare in s.spares}
         s.electorate, s.electorate_epoch = len(s.voters), s.epoch
+        voters = self._voters() | s.members.keys()  # what the others learnt matters no more
+        s.learnt = {node: epoch for node, epoch in s.learnt.items() if node in voters}
         if assignments and assignments[0].world_size != s.commits.world_size:
             s.commits = CommitLog(assignments[0].world_size)  # shards of another world differ
             s.copies = CommitLog(assignments[0].world_size)
@@ -833,11 +850,11 @@ class Coordinator:
         if (s.final is None and s.phase == RoundPhase.JOINING
                 and not self._maybe_complete_round(now)
                 and now - s.joining_since > s.join_timeout):
-            if self._short_of_quorum:
-                back = self._back()
-                why = f"held for a quorum: {back} of the last round's {s.electorate} nodes " \
-                    f"came back within {s.join_timeout:g}s, {s.electorate - back - len(s.gone)} " \
-                    "may have gone on behind a partition; heal the network"
+            if self._said_short and (short := self._short_of_quorum()) is not None:
+                whose, back, size, away = short
+                why = f"held for a quorum: {back} of {whose} {size} nodes came back within " \
+                    f"{s.join_timeout:g}s, {away} may have gone on behind a partition; heal " \
+                    "the network"
             else:
                 why = f"{len(s.round_joined)} of at least {s.min_nodes} nodes joined within " \
                     f"{s.join_timeout:g}s; start the missing nodes"
@@ -872,23 +889,49 @@ class Coordinator:
         return True
 
     def _quorum(self) -> bool:
-        """More of the last round back than may train on cut off (membership.has_quorum);
-        the round waits otherwise, for them to come back, until the join timeout."""
-        s = self._state
-        back = self._back()
-        if membership.has_quorum(s.electorate, back, len(s.gone), s.wins_tie):
+        """More of the last round back than may train on cut off (membership.has_quorum),
+        and of each earlier one not yet settled; the round waits otherwise, for them to come
+        back, until the join timeout."""
+        short = self._short_of_quorum()
+        if short is None:
             return True
-        if not self._short_of_quorum:
-            self._short_of_quorum = True
-            log.warning("rendezvous round held: %d of the last round's %d nodes here, %d may "
-                        "go on behind a partition; waiting for them", back, s.electorate,
-                        s.electorate - back - len(s.gone))
+        if not self._said_short:
+            self._said_short = True
+            whose, back, size, away = short
+            log.warning("rendezvous round held: %d of %s %d nodes here, %d may go on behind a "
+                        "partition; waiting for them", back, whose, size, away)
         return False
 
-    def _back(self) -> int:
-        """Voters of the last round heard since this one opened, our own node with them."""
+    def _short_of_quorum(self) -> tuple[str, int, int, int] | None:
+        """The first electorate without a quorum here: (whose, back, size, maybe away)."""
         s = self._state
-        return len(s.back | ({s.host_node} & s.voters))
+        told = self._told()
+        s.earlier = [e for e in s.earlier if not membership.settled(e, told)]
+        ahead = {n for n, epoch in told.items() if epoch > s.electorate_epoch}  # see settled
+        back, gone = len((s.back - ahead) | ({s.host_node} & s.voters)), len(s.gone & s.voters)
+        if not membership.has_quorum(s.electorate, back, gone, s.wins_tie):
+            return "the last round's", back, s.electorate, s.electorate - back - gone
+        for e in s.earlier:
+            back = len(((s.heard - ahead) | {s.host_node}) & e.voters)
+            gone = len(e.gone | (s.gone & e.voters))
+            if not membership.has_quorum(e.size, back, gone, s.wins_tie):
+                return (f"the round of epoch {e.epoch}'s (most not yet told of the next)", back,
+                        e.size, e.size - back - gone)
+        return None
+
+    def _told(self) -> dict[str, int]:
+        """Node -> the newest electorate it has learnt, ours by definition."""
+        s = self._state
+        return s.learnt | {s.host_node: s.electorate_epoch}
+
+    def _learnt(self, node: str, electorate_epoch: int) -> None:
+        s = self._state
+        s.learnt[node] = max(s.learnt.get(node, -1), electorate_epoch)
+
+    def _voters(self) -> set[str]:
+        """Of the last round's electorate and every earlier one not yet settled."""
+        s = self._state
+        return s.voters.union(*(e.voters for e in s.earlier))
 
     def _disconnected(self, identity: bytes, now: float) -> None:
         """A member's connection closed: its agent died (a process that exits closes its
@@ -956,7 +999,8 @@ class Coordinator:
             table.pop(node, None)
         s.round_joined.discard(node)
         s.back.discard(node)
-        if node in s.voters and not silent:  # its process died, or it was excluded: it
+        s.heard.discard(node)
+        if node in self._voters() and not silent:  # its process died, or it was excluded: it
             s.gone.add(node)  # trains nowhere
         if node in s.group_ranks:
             in_round = s.phase in (RoundPhase.WAITING_STORE, RoundPhase.RUNNING)

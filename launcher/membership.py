@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -83,6 +84,30 @@ def has_quorum(electorate: int, here: int, gone: int, wins_tie: bool) -> bool:
     never stops the side that ran it. No electorate (no round closed yet): any round."""
     away = electorate - here - gone
     return not electorate or here > away or (here == away and wins_tie)
+
+
+@dataclass(frozen=True)
+class Electorate:
+    """Who votes on the rounds after the one of ``epoch`` (see has_quorum): its nodes and
+    the spares idle when it closed, ``size`` of them, ``voters`` those known by name (a
+    successor knows 16 of a large job's), ``gone`` those of them known to train nowhere."""
+
+    epoch: int
+    size: int
+    voters: frozenset[str]
+    gone: frozenset[str] = frozenset()
+
+
+def settled(electorate: Electorate, learnt: Mapping[str, int]) -> bool:
+    """Whether most of an earlier ``electorate``'s voters have learnt a later one
+    (``learnt``: node -> the newest electorate epoch it reported). Until then a round needs
+    a quorum of it too, not only of the last (joint consensus, as Raft changes membership):
+    a node cut off between a round's close and its assign counts by the one before, and
+    where the electorate changed (a node lost, a scale-up, new spares) both sides could
+    count a majority. Once settled, those that may still count by it are no majority of it,
+    and a coordinator that does counts none of those that learnt better (they are ahead)."""
+    told = sum(learnt.get(voter, -1) > electorate.epoch for voter in electorate.voters)
+    return 2 * told > electorate.size
 
 
 HEARTBEATS_PER_SECOND = 1024

@@ -107,7 +107,7 @@ def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False)
                 socks[i] = dealer(context, port)
             socks[i].send_multipart(codecs[i].encode(Join(
                 node_id=node(i), local_world_size=8, addr="127.0.0.1", rank_hint=-1,
-                standby_port=1, replica_port=0, held=(), restart_count=0, seated_epoch=5), 5))
+                standby_port=1, replica_port=0, held=(), restart_count=0, seated_epoch=5, electorate_epoch=5), 5))
         sent_at, arrived = time.monotonic(), {}
         # One epoll over ZeroMQ's notification fds (zmq_poll over thousands of sockets costs
         # milliseconds a call), and each message decoded only after the last arrived: on a
@@ -132,7 +132,7 @@ def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False)
                 time.sleep(t0 + sent * beat - now)
             i = order[sent % len(order)]
             socks[i].send_multipart(codecs[i].encode(Heartbeat(node_id=node(i), phase="running",
-                                                               ranks=()), 0))
+                                                               ranks=(), electorate_epoch=0), 0))
             sent += 1
             if sent % 256 == 0:  # the acks
                 for sock in socks.values():

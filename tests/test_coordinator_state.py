@@ -19,6 +19,7 @@ from ftlaunch_contract.protocol import Codec, Envelope
 from launcher import coordinator as coordinator_module
 from launcher import exit_codes
 from launcher.coordinator import FOLLOWED_QUIET, Coordinator, JobState
+from launcher.membership import has_quorum
 from launcher.peer_probe import Verdict
 
 SECRET = b"k" * 32
@@ -69,12 +70,12 @@ class CoordinatorMachine(RuleBasedStateMachine):
         """``held``: the checkpoint shards the node says it has in memory."""
         self._deliver(node, "join", node_id=node, local_world_size=size, addr=f"10.0.0.{node[1]}",
                       standby_port=4000, rank_hint=-1, replica_port=4100, held=tuple(held), restart_count=0,
-                      seated_epoch=-1)
+                      seated_epoch=-1, electorate_epoch=-1)
         self.held[node] = set(held)
 
     @rule(node=st.sampled_from(NODES))
     def heartbeat(self, node):
-        self._deliver(node, "heartbeat", epoch=0, node_id=node, phase="running", ranks=())
+        self._deliver(node, "heartbeat", epoch=0, node_id=node, phase="running", ranks=(), electorate_epoch=-1)
 
     @precondition(lambda self: self.state.phase == "waiting_store")
     @rule()
@@ -158,7 +159,7 @@ def _two_nodes_joined(held_by_node) -> tuple[Coordinator, CapturingSocket]:
     for i, (node, held) in enumerate(held_by_node.items()):
         coordinator._handle(node.encode(), Envelope(0, CONTROL["join"](
             node_id=node, local_world_size=1, addr=f"10.0.0.{i + 1}", standby_port=4000,
-            rank_hint=-1, replica_port=4100 + i, held=tuple(held), restart_count=0, seated_epoch=-1)), 1.0)
+            rank_hint=-1, replica_port=4100 + i, held=tuple(held), restart_count=0, seated_epoch=-1, electorate_epoch=-1)), 1.0)
     coordinator._tick(1.1)
     return coordinator, socket
 
@@ -207,7 +208,7 @@ def test_a_node_lost_while_a_round_forms_gives_its_seat_to_a_waiting_spare():
     coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
     state = coordinator._state
     join = CONTROL["join"](node_id="spare", local_world_size=1, addr="10.0.0.3",
-                           standby_port=4000, rank_hint=-1, replica_port=4102, held=(), restart_count=0, seated_epoch=-1)
+                           standby_port=4000, rank_hint=-1, replica_port=4102, held=(), restart_count=0, seated_epoch=-1, electorate_epoch=-1)
     coordinator._handle(b"spare", Envelope(0, join), 1.2)
     coordinator._handle(b"a", Envelope(1, CONTROL["store_ready"](master_addr="10.0.0.1",
                                                                  master_port=29500)), 1.3)
@@ -218,7 +219,7 @@ def test_a_node_lost_while_a_round_forms_gives_its_seat_to_a_waiting_spare():
     assert state.phase == "joining"
     coordinator._handle(b"a", Envelope(1, CONTROL["join"](
         node_id="a", local_world_size=1, addr="10.0.0.1", standby_port=4000, rank_hint=0,
-        replica_port=4100, held=(), restart_count=0, seated_epoch=-1)), 2.1)
+        replica_port=4100, held=(), restart_count=0, seated_epoch=-1, electorate_epoch=-1)), 2.1)
     for now in (3.0, 5.0, 6.0, 7.5):  # b is silent; a and the spare are not
         state.last_seen.update(a=now, spare=now)
         coordinator._tick(now)
@@ -253,7 +254,7 @@ def test_a_pod_stopped_by_sigterm_leaves_and_its_replacement_takes_its_seat():
     for node, now in (("a", 3.1), ("b-replacement", 4.0)):
         coordinator._handle(node.encode(), Envelope(1, CONTROL["join"](
             node_id=node, local_world_size=1, addr="10.0.0.9", standby_port=4000,
-            rank_hint=-1, replica_port=4100, held=(), restart_count=0, seated_epoch=-1)), now)
+            rank_hint=-1, replica_port=4100, held=(), restart_count=0, seated_epoch=-1, electorate_epoch=-1)), now)
     coordinator._tick(5.5)
     assert sorted(state.group_ranks) == ["a", "b-replacement"]
     assert state.phase == "waiting_store" and state.restart_count == 0, "not a failure"
@@ -279,7 +280,7 @@ def _fresh(host: str = "p0") -> tuple[Coordinator, CapturingSocket]:
 def _join(coordinator: Coordinator, node: str, epoch: int, now: float) -> None:
     coordinator._handle(node.encode(), Envelope(epoch, CONTROL["join"](
         node_id=node, local_world_size=1, addr="10.0.0.9", standby_port=4000, rank_hint=-1,
-        replica_port=4100, held=(), restart_count=0, seated_epoch=-1)), now)
+        replica_port=4100, held=(), restart_count=0, seated_epoch=-1, electorate_epoch=-1)), now)
 
 
 def test_a_fresh_coordinator_continues_the_epochs_of_the_job_it_finds():
@@ -288,7 +289,7 @@ def test_a_fresh_coordinator_continues_the_epochs_of_the_job_it_finds():
     coordinator, socket = _fresh()
     _join(coordinator, "p0", 0, 1.0)
     coordinator._handle(b"p1", Envelope(7, CONTROL["heartbeat"](node_id="p1", phase="finished",
-                                                                 ranks=())), 1.1)
+                                                                 ranks=(), electorate_epoch=-1)), 1.1)
     (to, reply), = [(to, m) for to, m in socket.sent if to == b"p1"]
     assert reply.body.TYPE == "recover" and reply.epoch == 7  # p1 drops epochs below its 7
     _join(coordinator, "p1", 7, 1.2)
@@ -358,7 +359,7 @@ def test_heartbeats_are_acked_a_few_times_per_node_timeout_not_each():
     before = len(socket.sent)
     for _ in range(100):  # 10 s of heartbeats every 0.1 s, node_timeout 5 s
         coordinator._handle(b"b", Envelope(0, CONTROL["heartbeat"](
-            node_id="b", phase="running", ranks=())), t)
+            node_id="b", phase="running", ranks=(), electorate_epoch=-1)), t)
         t += 0.1
     acks = [m for to, m in socket.sent[before:] if m.body.TYPE == "heartbeat_ack"]
     assert all(to == b"b" for to, m in socket.sent[before:])
@@ -396,7 +397,7 @@ def test_an_agent_hears_an_ack_well_within_its_liveness_timeout(nodes, interval,
     while t < 10.0 + 4 * liveness:
         before = len(socket.sent)
         coordinator._handle(b"b", Envelope(0, CONTROL["heartbeat"](
-            node_id="b", phase="running", ranks=())), t)
+            node_id="b", phase="running", ranks=(), electorate_epoch=-1)), t)
         acked += [t for _, m in socket.sent[before:] if m.body.TYPE == "heartbeat_ack"]
         t += beat
     gaps = [b - a for a, b in zip(acked, acked[1:], strict=False)]
@@ -521,10 +522,14 @@ def test_a_spare_joining_a_round_first_does_not_take_a_survivors_seat():
     assert sorted(state.group_ranks) == ["a", "b"], "the spare waits"
 
 
-def _join_round(coordinator: Coordinator, node: str, seated_epoch: int, now: float) -> None:
+def _join_round(coordinator: Coordinator, node: str, seated_epoch: int, now: float,
+                electorate_epoch: int | None = None) -> None:
+    """``electorate_epoch``: of the assign (or spare word) it follows; by default the round
+    it held a seat in."""
     coordinator._handle(node.encode(), Envelope(coordinator._state.epoch, CONTROL["join"](
         node_id=node, local_world_size=1, addr="10.0.0.9", standby_port=4000, rank_hint=-1,
-        replica_port=0, held=(), restart_count=1, seated_epoch=seated_epoch)), now)
+        replica_port=0, held=(), restart_count=1, seated_epoch=seated_epoch,
+        electorate_epoch=seated_epoch if electorate_epoch is None else electorate_epoch)), now)
 
 
 def test_a_takeovers_survivors_not_named_by_the_assign_keep_their_seats():
@@ -600,12 +605,12 @@ def test_a_member_that_joins_again_without_its_seat_is_sent_its_assign_again():
     assert sent_to(b"b") == ["assign"]
     coordinator._handle(b"b-again", Envelope(state.epoch, CONTROL["join"](
         node_id="b", local_world_size=1, addr="10.0.0.2", standby_port=4000, rank_hint=-1,
-        replica_port=4101, held=(), restart_count=0, seated_epoch=-1)), 1.25)
+        replica_port=4101, held=(), restart_count=0, seated_epoch=-1, electorate_epoch=-1)), 1.25)
     assert [m.body for to, m in socket.sent if to == b"b-again"] == [first[b"b"]]
     _running(coordinator)
     coordinator._handle(b"b-third", Envelope(state.epoch, CONTROL["join"](
         node_id="b", local_world_size=1, addr="10.0.0.2", standby_port=4000, rank_hint=-1,
-        replica_port=4101, held=(), restart_count=0, seated_epoch=0)), 1.4)
+        replica_port=4101, held=(), restart_count=0, seated_epoch=0, electorate_epoch=0)), 1.4)
     assert sent_to(b"b-third") == ["assign", "start"], "started already: the start as well"
     assert sorted(state.group_ranks) == ["a", "b"] and state.phase == "running"
 
@@ -677,7 +682,7 @@ def test_a_spare_silent_for_half_the_liveness_timeout_is_not_seated_until_it_spe
     state = coordinator._state
     spare = CONTROL["join"](node_id="s", local_world_size=1, addr="10.0.0.3", standby_port=4000,
                             rank_hint=-1, replica_port=4102, held=(), restart_count=0,
-                            seated_epoch=-1)
+                            seated_epoch=-1, electorate_epoch=-1)
     coordinator._handle(b"s", Envelope(1, spare), 1.4)
     liveness = coordinator._liveness()
     later = 1.4 + liveness / 2 + 0.1  # s silent since 1.4; a beats on
@@ -687,7 +692,7 @@ def test_a_spare_silent_for_half_the_liveness_timeout_is_not_seated_until_it_spe
     coordinator._tick(later + 0.05)
     assert state.phase == "joining", "the round must not close with a silent spare"
     coordinator._handle(b"s", Envelope(1, CONTROL["heartbeat"](node_id="s", phase="joining",
-                                                               ranks=())), later + 0.1)
+                                                               ranks=(), electorate_epoch=-1)), later + 0.1)
     _join_round(coordinator, "a", seated_epoch=1, now=later + 0.1)
     coordinator._tick(later + 0.2)
     assert state.phase == "waiting_store" and sorted(state.group_ranks) == ["a", "s"]
@@ -859,6 +864,80 @@ def test_a_successor_with_the_rounds_spare_has_a_majority(spare_with_us):
         _join_round(coordinator, "s", seated_epoch=-1, now=now)
     coordinator._tick(now + 1.0)
     assert (state.phase == "joining") is not spare_with_us
+
+
+def _beat(coordinator: Coordinator, node: str, electorate_epoch: int, now: float) -> None:
+    coordinator._handle(node.encode(), Envelope(coordinator._state.epoch, CONTROL["heartbeat"](
+        node_id=node, phase="running", ranks=(), electorate_epoch=electorate_epoch)), now)
+
+
+@pytest.mark.parametrize("told", [False, True])
+def test_a_round_counts_the_electorate_before_until_most_of_it_learnt_the_new(told, caplog):
+    """1:5 on a, b, c scales up to five: d and e join, and the round closes. b and c are cut
+    off before their assigns reach them (the milliseconds between a round's close and its
+    assign): on their side they count by the round before, a, b and c, of which they are
+    two, a majority. a, d and e are three of the new five: the round that replaces b and c
+    must not close on that alone (both sides would train), but wait for a majority of the
+    round before too. Had b and c said they learnt the new round first, they would count
+    by it (two of five) and for no coordinator still on the old one: a, d and e go on."""
+    import logging
+
+    state = JobState(min_nodes=1, max_nodes=5, max_restarts=5, policy="rank", backoff=0.0,
+                     backoff_max=0.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=0.5, join_timeout=60.0, host_node="a", joining_since=0.0)
+    coordinator = Coordinator(CapturingSocket(), SECRET, state)
+    for node in "abc":
+        _join_round(coordinator, node, seated_epoch=-1, now=1.0)
+    coordinator._tick(1.6)  # the last call
+    _running(coordinator)
+    assert state.epoch == 1 and sorted(state.group_ranks) == ["a", "b", "c"]
+    _join_round(coordinator, "d", seated_epoch=-1, now=2.0)  # a scale-up
+    _join_round(coordinator, "e", seated_epoch=-1, now=2.0)
+    for node in "abc":
+        _join_round(coordinator, node, seated_epoch=1, now=2.1)
+    coordinator._tick(2.2)
+    _running(coordinator)
+    assert state.epoch == 2 and (state.electorate, len(state.earlier)) == (5, 1)
+    for node in "de":
+        _beat(coordinator, node, electorate_epoch=2, now=2.5)
+    if told:
+        for node in "bc":
+            _beat(coordinator, node, electorate_epoch=2, now=2.5)
+    with caplog.at_level(logging.WARNING, logger="ftlaunch.coordinator"):
+        _silent_but(coordinator, "ade", 9.0)  # b and c lost, silent: maybe cut off
+        for node in "ade":
+            _join_round(coordinator, node, seated_epoch=2, now=9.1)
+        _silent_but(coordinator, "ade", 9.7)
+    assert has_quorum(3, 2, 0, wins_tie=False), "b and c on their side, by the old round"
+    if told:
+        assert state.phase == "waiting_store" and sorted(state.group_ranks) == ["a", "d", "e"]
+        assert [e.epoch for e in state.earlier] == [2], "epoch 1's settled, 2's now counts"
+    else:
+        assert state.phase == "joining", "both sides of a partition closed a round"
+        assert "rendezvous round held: 1 of the round of epoch 1's (most not yet told of " \
+            "the next) 3 nodes here, 2 may go on behind a partition" in caplog.text
+        _join_round(coordinator, "b", seated_epoch=1, now=9.8)  # healed: b is back
+        _silent_but(coordinator, "abde", 10.4)
+        assert state.phase == "waiting_store" and sorted(state.group_ranks) == list("abde")
+
+
+@pytest.mark.parametrize("learnt_the_next", [False, True])
+def test_a_coordinator_on_an_old_electorate_counts_no_node_that_learnt_a_newer(learnt_the_next):
+    """b took over from a, silent, knowing the round of epoch 1 on a, b and c. c joins it,
+    one of three more: a majority with b. Unless c says it learnt a later round (b's assign
+    of it never came): then c counts by that round, not by b's, where the coordinator's
+    side may count it too."""
+    state = JobState(min_nodes=1, max_nodes=3, max_restarts=5, policy="rank", backoff=0.0,
+                     backoff_max=0.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=0.5, join_timeout=60.0, host_node="b", joining_since=0.0,
+                     epoch=1, group_ranks={"b": 1, "c": 2}, expected_count=2, electorate=3,
+                     electorate_epoch=1, voters={"a", "b", "c"}, wins_tie=False)
+    coordinator = Coordinator(CapturingSocket(), SECRET, state, takeover_cause="a lost")
+    now = time.monotonic()
+    _join_round(coordinator, "b", seated_epoch=1, now=now)
+    _join_round(coordinator, "c", seated_epoch=2 if learnt_the_next else 1, now=now)
+    coordinator._tick(now + 1.0)
+    assert (state.phase == "joining") is learnt_the_next
 
 
 def test_a_round_held_past_the_join_timeout_says_why_and_what_to_do():

@@ -10,11 +10,11 @@ import sys
 import time
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from launcher import failures, recovery
-from launcher.membership import Assignment, Member, assign_ranks, has_quorum
+from launcher.membership import Assignment, Electorate, Member, assign_ranks, has_quorum, settled
 from launcher.node_policy import Survivor, park_or_stop
 from launcher.rank_env import Attempt, rank_command, rank_env
 
@@ -477,6 +477,34 @@ def test_two_sides_of_a_partition_never_both_have_a_quorum(size, data):
     assert not (coordinators_side and other_side)
     if ours_back == ours >= theirs:
         assert has_quorum(size, ours, dead, True), "one failure at a time stops no job"
+
+
+@settings(max_examples=500)
+@given(st.data())
+def test_a_side_still_on_the_electorate_before_never_trains_beside_the_coordinators(data):
+    """A round closes on a new electorate (nodes lost or come, spares changed); some of its
+    voters learn it, then the network splits in two. The coordinator's side counts the new
+    electorate, and the one before until it is settled. On the other side a node that never
+    learnt the new one hosts a coordinator that counts by the one before, without the nodes
+    that did learn it (they are ahead); one that learnt it counts by the new one. Never do
+    both sides close a round."""
+    nodes = range(data.draw(st.integers(2, 12), label="nodes"))
+    before = frozenset(data.draw(st.sets(st.sampled_from(nodes), min_size=1), label="before"))
+    new = frozenset(data.draw(st.sets(st.sampled_from(nodes), min_size=1), label="new"))
+    assume(before & new)
+    host = data.draw(st.sampled_from(sorted(before & new)), label="coordinator")
+    learnt = {node: 1 for node in data.draw(st.sets(st.sampled_from(sorted(new))),
+                                            label="learnt the new")} | {host: 1}
+    ours = {host} | data.draw(st.sets(st.sampled_from(nodes)), label="coordinator's side")
+    theirs = set(nodes) - ours
+    coordinators_side = has_quorum(len(new), len(new & ours), 0, True) and (
+        settled(Electorate(0, len(before), before), learnt)
+        or has_quorum(len(before), len(before & ours), 0, True))
+    stale = {node for node in theirs if node in before and node not in learnt}
+    if stale:
+        assert not (coordinators_side
+                    and has_quorum(len(before), len((before & theirs) - learnt.keys()), 0, False))
+    assert not (coordinators_side and has_quorum(len(new), len(new & theirs), 0, False))
 
 
 def test_no_round_closed_yet_needs_no_quorum():

@@ -30,7 +30,7 @@ def _state() -> JobState:
 def _join(plane: ControlPlane, epoch: int, seated: int) -> None:
     plane.send(Join(node_id=plane.node_id, local_world_size=1, addr=plane.addr,
                     standby_port=plane.standby_port, rank_hint=-1, replica_port=0, held=(),
-                    restart_count=0, seated_epoch=seated), epoch)
+                    restart_count=0, seated_epoch=seated, electorate_epoch=seated), epoch)
 
 
 def _assigned(plane: ControlPlane, after: int, never_lost: bool = False) -> int:
@@ -274,7 +274,7 @@ def test_a_healed_node_forgets_the_coordinators_it_took_for_lost_once_the_job_sp
                      NODE_TIMEOUT, 0.5)
 
     def tell(msg) -> None:
-        b.send(CONTROL["heartbeat"](node_id="b", phase="", ranks=()), 1)
+        b.send(CONTROL["heartbeat"](node_id="b", phase="", ranks=(), electorate_epoch=-1), 1)
         assert job.poll(5000), "nothing from b"
         identity = job.recv_multipart()[0]
         job.send_multipart([identity, *codec.encode(msg, 1)])
