@@ -505,7 +505,12 @@ class ControlPlane:
     def close(self) -> None:
         """Hosting, wait (up to the node timeout) until the job no longer needs us: a node
         leaving by a signal tells the others to go on once their ranks have stopped, and
-        without that word they would wait the node timeout to find us gone."""
+        without that word they would wait the node timeout to find us gone. The standby
+        socket closes first: the coordinator probes it when our connection closes (see
+        peer_probe), and must find it refused, not greeted by an agent on its way out."""
+        if self.standby is not None:
+            self.standby.close(linger=0)
+            self.standby = None
         for sock, monitor in zip((self.socket, self.watch), self.monitors, strict=True):
             _close(sock, monitor)
         self._drop_next()
@@ -515,8 +520,6 @@ class ControlPlane:
             self.coordinator.close()
         if self._redirecting is not None:
             self._redirecting.close()
-        if self.standby is not None:
-            self.standby.close(linger=0)
 
 
 _CONNECTION_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED
