@@ -662,7 +662,7 @@ class Coordinator:
 
     def _forget_leaving(self) -> None:
         s = self._state
-        s.gone |= s.leaving & self._voters()  # they left by a signal: they train nowhere
+        s.gone |= {node for node in s.leaving if self._votes(node)}  # they train nowhere
         for node in s.leaving:
             if s.group_ranks.pop(node, None) is not None:
                 s.expected.discard(node)
@@ -750,8 +750,8 @@ class Coordinator:
                          for n in self._idle_spares(now)[:SUCCESSORS])
         s.voters = set(s.group_ranks) | {spare.node_id for spare in s.spares}
         s.electorate, s.electorate_epoch = len(s.voters), s.epoch
-        voters = self._voters() | s.members.keys()  # what the others learnt matters no more
-        s.learnt = {node: epoch for node, epoch in s.learnt.items() if node in voters}
+        s.learnt = {node: epoch for node, epoch in s.learnt.items()  # of the others: moot
+                    if node in s.members or self._votes(node)}
         if assignments and assignments[0].world_size != s.commits.world_size:
             s.commits = CommitLog(assignments[0].world_size)  # shards of another world differ
             s.copies = CommitLog(assignments[0].world_size)
@@ -928,10 +928,10 @@ class Coordinator:
         s = self._state
         s.learnt[node] = max(s.learnt.get(node, -1), electorate_epoch)
 
-    def _voters(self) -> set[str]:
-        """Of the last round's electorate and every earlier one not yet settled."""
+    def _votes(self, node: str) -> bool:
+        """In the last round's electorate, or an earlier one not yet settled."""
         s = self._state
-        return s.voters.union(*(e.voters for e in s.earlier))
+        return node in s.voters or any(node in e.voters for e in s.earlier)
 
     def _disconnected(self, identity: bytes, now: float) -> None:
         """A member's connection closed: its agent died (a process that exits closes its
@@ -1000,7 +1000,7 @@ class Coordinator:
         s.round_joined.discard(node)
         s.back.discard(node)
         s.heard.discard(node)
-        if node in self._voters() and not silent:  # its process died, or it was excluded: it
+        if self._votes(node) and not silent:  # its process died, or it was excluded: it
             s.gone.add(node)  # trains nowhere
         if node in s.group_ranks:
             in_round = s.phase in (RoundPhase.WAITING_STORE, RoundPhase.RUNNING)
