@@ -188,6 +188,7 @@ class FakeControl:
         self.codec = Codec(b"k" * 32)
         self.lost = False
         self.successor: str | None = "n1"
+        self.electorate_epoch = -1  # the assign its members came with (see Heartbeat)
         self.coordinator_node, self.standby_port, self.next_heartbeat = "n0", 4000, 0.0
         self.connection_lost = False
         self.knows_successors = False
