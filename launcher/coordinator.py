@@ -731,7 +731,7 @@ class Coordinator:
         committed = s.commits.committed  # of the last world: the newest step storage has
         self._rounds += 1
         if s.electorate:  # it votes on the next rounds too until most of it learnt the new one
-            s.earlier = [e for e in s.earlier if not membership.settled(e, self._told())]
+            s.earlier = [e for e in s.earlier if not membership.settled(e, s.learnt)]
             s.earlier.append(membership.Electorate(s.electorate_epoch, s.electorate,
                                                    frozenset(s.voters),
                                                    frozenset(s.gone & s.voters)))
@@ -750,6 +750,7 @@ class Coordinator:
                          for n in self._idle_spares(now)[:SUCCESSORS])
         s.voters = set(s.group_ranks) | {spare.node_id for spare in s.spares}
         s.electorate, s.electorate_epoch = len(s.voters), s.epoch
+        self._learnt(s.host_node, s.epoch)  # we hold it
         s.learnt = {node: epoch for node, epoch in s.learnt.items()  # of the others: moot
                     if node in s.members or self._votes(node)}
         if assignments and assignments[0].world_size != s.commits.world_size:
@@ -905,9 +906,8 @@ class Coordinator:
     def _short_of_quorum(self) -> tuple[str, int, int, int] | None:
         """The first electorate without a quorum here: (whose, back, size, maybe away)."""
         s = self._state
-        told = self._told()
-        s.earlier = [e for e in s.earlier if not membership.settled(e, told)]
-        ahead = {n for n, epoch in told.items() if epoch > s.electorate_epoch}  # see settled
+        s.earlier = [e for e in s.earlier if not membership.settled(e, s.learnt)]
+        ahead = {n for n, epoch in s.learnt.items() if epoch > s.electorate_epoch}  # see settled
         back, gone = len((s.back - ahead) | ({s.host_node} & s.voters)), len(s.gone & s.voters)
         if not membership.has_quorum(s.electorate, back, gone, s.wins_tie):
             return "the last round's", back, s.electorate, s.electorate - back - gone
@@ -918,11 +918,6 @@ class Coordinator:
                 return (f"the round of epoch {e.epoch}'s (most not yet told of the next)", back,
                         e.size, e.size - back - gone)
         return None
-
-    def _told(self) -> dict[str, int]:
-        """Node -> the newest electorate it has learnt, ours by definition."""
-        s = self._state
-        return s.learnt | {s.host_node: s.electorate_epoch}
 
     def _learnt(self, node: str, electorate_epoch: int) -> None:
         s = self._state
