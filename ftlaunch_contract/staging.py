@@ -67,9 +67,9 @@ class Slot:
             else:
                 with tempfile.TemporaryFile(prefix="ftlaunch-stage-", dir=self._anonymous_dir) as f:
                     self._fd = os.dup(f.fileno())  # unlinked already: gone with the process
-        size = os.fstat(self._fd).st_size
         if self.buffer is not None and len(self.buffer) >= nbytes:
-            return
+            return  # (every save after the first: no system call)
+        size = os.fstat(self._fd).st_size
         if size < nbytes:
             self.close_buffer()
             if populate:

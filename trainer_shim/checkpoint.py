@@ -117,7 +117,7 @@ class AsyncCheckpointer:
         if busy is not None:
             busy.wait()  # the writer still persists this slot's previous save
         slot = self._slots[index]
-        sizes = [t.numel() * t.element_size() for t in tensors]
+        sizes = [t.nbytes for t in tensors]
         try:
             slot.ensure(sum(map(_aligned, sizes)))
         except StagingFull as e:
@@ -896,6 +896,7 @@ def _aligned(n: int) -> int:
 
 _PLAIN = (int, float, bool, str, bytes, type(None))
 _PLAIN_TYPES = frozenset(_PLAIN)
+_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 class DistributedState:
@@ -986,14 +987,19 @@ def _state_of(value: Any) -> Any:
 
 def _encode(value: Any, tensors: list[torch.Tensor], dtensor: Any) -> Any:
     """``value``'s structure, its tensors appended to ``tensors`` (``dtensor``: the DTensor
-    type, or None when nothing imported it). Dispatched on the exact type first: a save
-    encodes every value of the optimizer's state and param groups, on the training path."""
+    type, or None when nothing imported it). A save encodes every value of the model's and
+    the optimizer's state on the training path: the common kinds are told by their exact
+    type first, and a plain value inside a dict or list costs no call."""
     kind = type(value)
     if kind in _PLAIN_TYPES:
         return value
-    if kind is dict:
+    if kind in _TENSOR_TYPES:  # not a subclass (a DTensor): no more checks
+        tensors.append(value)
+        return {"__t__": len(tensors) - 1}
+    if isinstance(value, dict):
         return {"__d__": [[k if type(k) in _PLAIN_TYPES else _encode(k, tensors, dtensor),
-                           _encode(v, tensors, dtensor)] for k, v in value.items()]}
+                           v if type(v) in _PLAIN_TYPES else _encode(v, tensors, dtensor)]
+                          for k, v in value.items()]}
     if isinstance(value, torch.Tensor):
         if dtensor is not None and isinstance(value, dtensor):
             tensors.append(value.to_local())
@@ -1002,10 +1008,9 @@ def _encode(value: Any, tensors: list[torch.Tensor], dtensor: Any) -> Any:
                     "box": [list(box.offset), list(box.shape)]}
         tensors.append(value)
         return {"__t__": len(tensors) - 1}
-    if isinstance(value, dict):
-        return _encode(dict(value), tensors, dtensor)
     if isinstance(value, (list, tuple)):
-        return {"__l__": [_encode(v, tensors, dtensor) for v in value],
+        return {"__l__": [v if type(v) in _PLAIN_TYPES else _encode(v, tensors, dtensor)
+                          for v in value],
                 "tuple": isinstance(value, tuple)}
     if isinstance(value, _PLAIN):
         return value
