@@ -32,6 +32,17 @@ class Held(NamedTuple):
     step: int
 
 
+class EarlierVoter(NamedTuple):
+    """A voter of an earlier electorate that most of its voters have not yet said they
+    learnt a later one of (see has_quorum, settled): one row per voter, so a successor
+    counts it too, as its predecessor did."""
+
+    epoch: int  # the electorate's: of the round whose nodes and spares it is
+    size: int
+    node_id: str
+    gone: bool  # known to train nowhere
+
+
 class Fetch(NamedTuple):
     """Pull this shard from that peer before the ranks start (they restore from memory)."""
 
@@ -66,13 +77,15 @@ class NodeRankState(NamedTuple):
 
 
 Successors = tuple[Successor, ...]
+EarlierVoters = tuple[EarlierVoter, ...]
 Peers = tuple[Peer, ...]
 HeldShards = tuple[Held, ...]
 Fetches = tuple[Fetch, ...]
 RankStates = tuple[RankState, ...]
 NodeStates = tuple[NodeState, ...]
 NodeRankStates = tuple[NodeRankState, ...]
-ROWS: dict[Any, type[tuple[Any, ...]]] = {Successors: Successor, Peers: Peer,
+ROWS: dict[Any, type[tuple[Any, ...]]] = {Successors: Successor, EarlierVoters: EarlierVoter,
+                                          Peers: Peer,
                                           HeldShards: Held, Fetches: Fetch,
                                           RankStates: RankState, NodeStates: NodeState,
                                           NodeRankStates: NodeRankState}
@@ -201,6 +214,7 @@ class Unhealthy(Body):
 @dataclass(frozen=True, kw_only=True)
 class HeartbeatAck(Body):
     TYPE = "heartbeat_ack"
+    unsettled: int  # the oldest earlier electorate's epoch not settled yet, -1: none (see Assign)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,6 +228,7 @@ class Assign(Body):
     max_restarts: int
     members: Successors
     spares: Successors  # the round's idle spares: they vote on the next (see has_quorum)
+    earlier: EarlierVoters  # earlier electorates not yet settled, each of <= 16 voters
     coordinator_node: str
     replicate_to: Peers  # who keeps copies of this node's staged shards
     fetch: Fetches  # what to pull from peers' memory before the ranks start

@@ -21,6 +21,7 @@ from zmq.utils.monitor import recv_monitor_message
 from ftlaunch_contract.messages import (
     Assign,
     Body,
+    EarlierVoters,
     Heartbeat,
     HeartbeatAck,
     Join,
@@ -121,6 +122,8 @@ class ControlPlane:
         self.members: Successors = ()  # by group rank: who would take over the coordinator
         self.spares: Successors = ()  # the round's spares (they vote: see fail_over)
         self.electorate_epoch = -1  # the epoch members and spares came at (see Heartbeat)
+        self.earlier: EarlierVoters = ()  # electorates before it not settled (see fail_over)
+        self._electorate_host = ""  # the coordinator that sent them: it holds that electorate
         self.coordinator_node = ""
         self.redirected = False  # we follow a redirect and have not been assigned since
         self._lost: set[str] = set()  # coordinators we failed over from, since members came
@@ -242,13 +245,19 @@ class ControlPlane:
             # passed over the live successor and, finding none, failed).
             self.members, self._lost, self._cut_off = received.body.members, set(), set()
             self.spares, self.electorate_epoch = received.body.spares, received.epoch
+            self.earlier = received.body.earlier if isinstance(received.body, Assign) else ()
             self.coordinator_node = received.body.coordinator_node
+            self._electorate_host = self.coordinator_node
             self._takeover_due = True  # with our next heartbeat: not on the start's path
             if self._watching and self._watch_endpoint != self._endpoint:
                 self._watch(self._endpoint)
         if isinstance(received.body, Redirect):
             self._follow(received.body)
-        return None if isinstance(received.body, HeartbeatAck) else received
+        if isinstance(received.body, HeartbeatAck):
+            unsettled = received.body.unsettled  # the others settled: no successor counts them
+            self.earlier = tuple(v for v in self.earlier if 0 <= unsettled <= v.epoch)
+            return None
+        return received
 
     def _follow(self, redirect: Redirect) -> None:
         """The job runs under another coordinator: go there."""
@@ -480,6 +489,13 @@ class ControlPlane:
             state.electorate_epoch = epoch
             state.gone = (self._lost - self._cut_off) & named
             state.wins_tie = not self._cut_off & named
+            # An electorate before it that most had not learnt better of when our assign
+            # came: a node cut off unassigned may count by it (see membership.settled), so we
+            # need a quorum of it too, until most of it say they learnt better; we and the
+            # coordinator whose assign it was have.
+            state.earlier = membership.from_named(self.earlier)
+            state.learnt = {node: self.electorate_epoch
+                            for node in (self.node_id, self._electorate_host) if node}
             now = time.monotonic()
             for rank, (node, _, port) in enumerate(self.members):
                 if node in self._lost:

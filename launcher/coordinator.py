@@ -23,6 +23,7 @@ from ftlaunch_contract.messages import (
     Body,
     Committed,
     Durable,
+    EarlierVoter,
     Failure,
     Fetch,
     Fetches,
@@ -503,7 +504,7 @@ class Coordinator:
                 next_beat = now + (now - beat)  # as far off as this one
                 if next_beat - acked > self._ack_within():
                     acked = now
-                    self._send(identity, HeartbeatAck())
+                    self._send(identity, HeartbeatAck(unsettled=self._oldest_unsettled()))
                 self._beats[identity] = (acked, now)
             else:  # declared lost but alive (it froze, or the network healed): come back in
                 self._send(identity, Recover(
@@ -731,10 +732,8 @@ class Coordinator:
         committed = s.commits.committed  # of the last world: the newest step storage has
         self._rounds += 1
         if s.electorate:  # it votes on the next rounds too until most of it learnt the new one
-            s.earlier = [e for e in s.earlier if not membership.settled(e, s.learnt)]
-            s.earlier.append(membership.Electorate(s.electorate_epoch, s.electorate,
-                                                   frozenset(s.voters),
-                                                   frozenset(s.gone & s.voters)))
+            self._settle().append(membership.Electorate(
+                s.electorate_epoch, s.electorate, frozenset(s.voters), frozenset(s.gone & s.voters)))
         s.epoch += 1
         s.expected_count = 0
         s.back, s.heard, s.gone, s.wins_tie = set(), set(), set(), True
@@ -762,14 +761,15 @@ class Coordinator:
         s.phase = RoundPhase.WAITING_STORE
         replicas = self._replicas(assignments, committed)
         s.assigns, s.start = {}, None
+        earlier = tuple(EarlierVoter(*row) for row in membership.named(s.earlier, SUCCESSORS))
         for a in assignments:
             replicate_to, fetch = replicas[a.node_id]
             s.assigns[a.node_id] = Assign(
                 group_rank=a.group_rank, group_world_size=a.group_world_size,
                 rank_offset=a.rank_offset, world_size=a.world_size,
                 restart_count=s.restart_count, max_restarts=s.max_restarts, members=members,
-                spares=s.spares, coordinator_node=s.host_node, replicate_to=replicate_to,
-                fetch=fetch)
+                spares=s.spares, earlier=earlier, coordinator_node=s.host_node,
+                replicate_to=replicate_to, fetch=fetch)
             self._send(s.identities[a.node_id], s.assigns[a.node_id])
         for node in s.members.keys() - s.group_ranks.keys():  # spares: whom to follow now
             if node in s.identities:
@@ -906,7 +906,7 @@ class Coordinator:
     def _short_of_quorum(self) -> tuple[str, int, int, int] | None:
         """The first electorate without a quorum here: (whose, back, size, maybe away)."""
         s = self._state
-        s.earlier = [e for e in s.earlier if not membership.settled(e, s.learnt)]
+        self._settle()
         ahead = {n for n, epoch in s.learnt.items() if epoch > s.electorate_epoch}  # see settled
         back, gone = len((s.back - ahead) | ({s.host_node} & s.voters)), len(s.gone & s.voters)
         if not membership.has_quorum(s.electorate, back, gone, s.wins_tie):
@@ -918,6 +918,18 @@ class Coordinator:
                 return (f"the round of epoch {e.epoch}'s (most not yet told of the next)", back,
                         e.size, e.size - back - gone)
         return None
+
+    def _settle(self) -> list[membership.Electorate]:
+        """The earlier electorates not settled yet (forgetting the others), oldest first."""
+        s = self._state
+        s.earlier = [e for e in s.earlier if not membership.settled(e, s.learnt)]
+        return s.earlier
+
+    def _oldest_unsettled(self) -> int:
+        """The epoch of the oldest earlier electorate not settled yet, -1 if none: an agent
+        then forgets those its assign named before it (a successor counts no settled one)."""
+        earlier = self._settle()
+        return earlier[0].epoch if earlier else -1
 
     def _learnt(self, node: str, electorate_epoch: int) -> None:
         s = self._state

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -108,6 +108,27 @@ def settled(electorate: Electorate, learnt: Mapping[str, int]) -> bool:
     and a coordinator that does counts none of those that learnt better (they are ahead)."""
     told = sum(learnt.get(voter, -1) > electorate.epoch for voter in electorate.voters)
     return 2 * told > electorate.size
+
+
+def named(electorates: Iterable[Electorate], limit: int) -> list[tuple[int, int, str, bool]]:
+    """What tells a successor the earlier ``electorates`` it must count too, as rows
+    (epoch, size, voter, gone): those whose every voter is known by name, of ``limit``
+    voters at most (an assign goes to every node; a larger electorate's successor is not
+    told it, and counts only its last round's)."""
+    return [(e.epoch, e.size, voter, voter in e.gone) for e in electorates
+            if len(e.voters) == e.size <= limit for voter in sorted(e.voters)]
+
+
+def from_named(rows: Iterable[tuple[int, int, str, bool]]) -> list[Electorate]:
+    """The electorates of ``named``'s rows, oldest first."""
+    voters: dict[tuple[int, int], tuple[set[str], set[str]]] = {}
+    for epoch, size, voter, gone in rows:
+        names, gone_ones = voters.setdefault((epoch, size), (set(), set()))
+        names.add(voter)
+        if gone:
+            gone_ones.add(voter)
+    return [Electorate(epoch, size, frozenset(names), frozenset(gone_ones))
+            for (epoch, size), (names, gone_ones) in sorted(voters.items())]
 
 
 HEARTBEATS_PER_SECOND = 1024

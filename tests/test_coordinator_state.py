@@ -898,11 +898,14 @@ def test_a_round_counts_the_electorate_before_until_most_of_it_learnt_the_new(to
     coordinator._tick(2.2)
     _running(coordinator)
     assert state.epoch == 2 and (state.electorate, len(state.earlier)) == (5, 1)
+    assert {(v.epoch, v.size, v.node_id) for v in state.assigns["d"].earlier} == {
+        (1, 3, "a"), (1, 3, "b"), (1, 3, "c")}, "a successor is told to count it too"
     for node in "de":
         _beat(coordinator, node, electorate_epoch=2, now=2.5)
     if told:
         for node in "bc":
             _beat(coordinator, node, electorate_epoch=2, now=2.5)
+    assert coordinator._oldest_unsettled() == (-1 if told else 1), "what its acks say"
     with caplog.at_level(logging.WARNING, logger="ftlaunch.coordinator"):
         _silent_but(coordinator, "ade", 9.0)  # b and c lost, silent: maybe cut off
         for node in "ade":

@@ -14,7 +14,16 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from launcher import failures, recovery
-from launcher.membership import Assignment, Electorate, Member, assign_ranks, has_quorum, settled
+from launcher.membership import (
+    Assignment,
+    Electorate,
+    Member,
+    assign_ranks,
+    from_named,
+    has_quorum,
+    named,
+    settled,
+)
 from launcher.node_policy import Survivor, park_or_stop
 from launcher.rank_env import Attempt, rank_command, rank_env
 
@@ -505,6 +514,18 @@ def test_a_side_still_on_the_electorate_before_never_trains_beside_the_coordinat
         assert not (coordinators_side
                     and has_quorum(len(before), len((before & theirs) - learnt.keys()), 0, False))
     assert not (coordinators_side and has_quorum(len(new), len(new & theirs), 0, False))
+
+
+def test_an_assign_names_each_earlier_electorate_a_successor_can_count_whole():
+    """A successor counts an earlier electorate as its predecessor did only knowing every
+    voter; an assign goes to every node, so one of more than 16 is not sent."""
+    small = Electorate(1, 3, frozenset("abc"), frozenset("c"))
+    partly = Electorate(2, 20, frozenset("abc"))  # a large job's successor knows 16 of 20
+    large = Electorate(3, 17, frozenset(f"n{i}" for i in range(17)))
+    rows = named([small, partly, large], limit=16)
+    assert rows == [(1, 3, "a", False), (1, 3, "b", False), (1, 3, "c", True)]
+    assert from_named(rows) == [small]
+    assert from_named(named([large, small], limit=17)) == [small, large], "oldest first"
 
 
 def test_no_round_closed_yet_needs_no_quorum():

@@ -321,8 +321,8 @@ def test_an_agent_whose_own_coordinator_stood_down_before_it_spoke_follows_the_r
             group_rank=1, group_world_size=2, rank_offset=1, world_size=2, restart_count=0,
             max_restarts=3, members=(Successor("a", "127.0.0.1", 1),
                                      Successor("b", "127.0.0.1", b.standby_port)),
-            spares=(Successor("s", "127.0.0.1", 2),), coordinator_node="a", replicate_to=(),
-            fetch=()), 5)])
+            spares=(Successor("s", "127.0.0.1", 2),), earlier=(), coordinator_node="a",
+            replicate_to=(), fetch=()), 5)])
         assert b.socket.poll(5000) and b.receive() is not None and b.knows_successors
         assert b.fail_over(5, 0, 2) == "b" and b.hosting  # cut off: b takes over
         state = b.coordinator._state  # the quorum it needs: a silent, the round's spare votes

@@ -16,6 +16,7 @@ from ftlaunch_contract.messages import (
     CONTROL,
     ROWS,
     Body,
+    EarlierVoter,
     Fetch,
     Finished,
     Held,
@@ -41,6 +42,7 @@ OTHER_SECRET = b"o" * 32
 
 SAMPLE = {int: 7, str: "node-a", (int, float): 1.5, (int, type(None)): None,
           ROW_CHECKS[Successor]: [["node-a", "10.0.0.1", 4000], ["node-b", "10.0.0.2", 4001]],
+          ROW_CHECKS[EarlierVoter]: [[1, 3, "node-a", False], [1, 3, "node-c", True]],
           ROW_CHECKS[Peer]: [["node-b", "10.0.0.2", 4100]],
           ROW_CHECKS[Held]: [[6, 0, 40], [6, 1, 40]],
           ROW_CHECKS[Fetch]: [[6, 4, 40, "node-a", "10.0.0.1", 4100]],
@@ -368,7 +370,7 @@ field_values = {
     (int, float): st.integers(-(2**31), 2**31) | st.floats(allow_nan=False),
     (int, type(None)): st.none() | st.integers(-255, 255),
     **{ROW_CHECKS[record]: st.lists(st.tuples(*(
-        st.text(max_size=20) if t is str else st.integers(0, 2**31)
+        st.text(max_size=20) if t is str else st.booleans() if t is bool else st.integers(0, 2**31)
         for t in get_type_hints(record).values())).map(list), max_size=5)
        for record in ROW_CHECKS},
 }

@@ -16,6 +16,7 @@ from conftest import needs_iptables, silenced
 from ftlaunch_contract.messages import Assign, Join
 from launcher.control_plane import ControlPlane
 from launcher.coordinator import JobState, bind_router
+from launcher.membership import has_quorum
 
 SECRET = b"takeover-test-secret-0123456789ab"
 NODE_TIMEOUT = 5.0
@@ -287,7 +288,8 @@ def test_a_healed_node_forgets_the_coordinators_it_took_for_lost_once_the_job_sp
     try:
         tell(CONTROL["assign"](group_rank=3, group_world_size=4, rank_offset=3, world_size=4,
                                restart_count=0, max_restarts=3, members=members,
-                               spares=(), coordinator_node="a", replicate_to=(), fetch=()))
+                               spares=(), earlier=(), coordinator_node="a", replicate_to=(),
+                               fetch=()))
         assert b.fail_over(1, 0, 4) == "c"  # cut off: a silent, then c
         assert b.fail_over(1, 0, 4) == "d"
         b.back_to_rendezvous()  # (healed: the job runs under a, which answers)
@@ -296,5 +298,70 @@ def test_a_healed_node_forgets_the_coordinators_it_took_for_lost_once_the_job_sp
         assert b.fail_over(1, 0, 4) == "c", "a lost for real: its successor is c"
     finally:
         b.close()
+        job.close()
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("settled", [False, True], ids=["unsettled", "settled"])
+def test_a_successor_counts_the_electorate_before_until_told_most_of_it_learnt_the_new(settled):
+    """a, b and c scaled up to seven; a's assigns reached d, e, f and g, not b and c (cut
+    off in the milliseconds after the close: by the round before they are two of three, and
+    train). a is lost too before most of the three said they learnt the new round. d takes
+    over: d, e, f and g are four of the new seven, but none of the old three, so its round
+    must wait. Once a's heartbeat ack said the old round settled (most of it learnt the
+    new: b and c count by it, two of seven), d's round goes on."""
+    from ftlaunch_contract.messages import CONTROL, EarlierVoter, HeartbeatAck, Successor
+    from ftlaunch_contract.protocol import Codec
+
+    def seven() -> JobState:
+        return JobState(min_nodes=1, max_nodes=7, max_restarts=3, policy="job", backoff=0.0,
+                        backoff_max=0.0, exit_barrier_timeout=5.0, node_timeout=NODE_TIMEOUT,
+                        last_call=0.2, join_timeout=60.0, host_node="")
+
+    ctx = zmq.Context()
+    codec = Codec(SECRET)
+    job = ctx.socket(zmq.ROUTER)  # a, b and c, as one socket
+    job.setsockopt(zmq.LINGER, 0)
+    port = job.bind_to_random_port("tcp://127.0.0.1")
+    d = ControlPlane(ctx, SECRET, "d", "127.0.0.1", ("127.0.0.1", port), seven, NODE_TIMEOUT,
+                     0.5)
+    others: list[ControlPlane] = []
+
+    def tell(msg) -> None:
+        d.send(CONTROL["heartbeat"](node_id="d", phase="", ranks=(), electorate_epoch=-1), 2)
+        assert job.poll(5000), "nothing from d"
+        identity = job.recv_multipart()[0]
+        job.send_multipart([identity, *codec.encode(msg, 2)])
+        end = time.monotonic() + 5
+        while not d.socket.poll(20) or (d.receive() is None and msg.TYPE != "heartbeat_ack"):
+            assert time.monotonic() < end, "d heard nothing"
+
+    members = (*(Successor(n, "127.0.0.1", port) for n in "abc"),
+               Successor("d", "127.0.0.1", d.standby_port),
+               *(Successor(n, "127.0.0.1", port) for n in "efg"))
+    old_round = tuple(EarlierVoter(1, 3, n, False) for n in "abc")
+    try:
+        tell(CONTROL["assign"](group_rank=3, group_world_size=7, rank_offset=3, world_size=7,
+                               restart_count=0, max_restarts=3, members=members, spares=(),
+                               earlier=old_round, coordinator_node="a", replicate_to=(),
+                               fetch=()))
+        if settled:
+            tell(HeartbeatAck(unsettled=-1))
+        assert d.earlier == (() if settled else old_round)
+        successors = [d.fail_over(2, 0, 7) for _ in range(3)]  # a, b, c silent: cut off
+        assert successors == ["b", "c", "d"] and d.hosting
+        others.extend(ControlPlane(ctx, SECRET, n, "127.0.0.1", ("127.0.0.1", d.standby_port),
+                                   seven, NODE_TIMEOUT, 0.5) for n in "efg")
+        for plane in (d, *others):
+            _join(plane, 2, 2)
+        assert has_quorum(3, 2, 0, wins_tie=False), "b and c train, by the round before"
+        if settled:
+            assert _assigned(others[0], 2) > 2, "the new round's four of seven go on"
+        else:
+            _until(lambda: d.coordinator._said_short, "the successor holds its round")
+            assert d.coordinator._state.phase == "joining", "both sides of a partition train"
+    finally:
+        for plane in (*others, d):
+            plane.close()
         job.close()
         ctx.destroy(linger=0)
