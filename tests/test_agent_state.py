@@ -335,8 +335,9 @@ class AgentMachine(RuleBasedStateMachine):
             self.pull_deadline = self.now + FETCH_TIMEOUT
         self._order("assign", group_rank=group_rank, group_world_size=2,
                     rank_offset=group_rank * LOCAL_WORLD_SIZE, world_size=2 * LOCAL_WORLD_SIZE,
-                    restart_count=0, max_restarts=3, members=(), spares=(), coordinator_node="n0",
-                    replicate_to=(Peer("n1", "127.0.0.1", 4100),), fetch=fetch)
+                    restart_count=0, max_restarts=3, members=(), spares=(), earlier=(),
+                    coordinator_node="n0", replicate_to=(Peer("n1", "127.0.0.1", 4100),),
+                    fetch=fetch)
 
     @precondition(lambda self: self.assigned)
     @rule()
@@ -350,7 +351,7 @@ class AgentMachine(RuleBasedStateMachine):
         if kind == "assign":
             self._order("assign", group_rank=1, group_world_size=2, rank_offset=2,
                         world_size=4, restart_count=0, max_restarts=3, members=(), spares=(),
-                        coordinator_node="n0", replicate_to=(), fetch=())
+                        earlier=(), coordinator_node="n0", replicate_to=(), fetch=())
         else:
             self._order("start", master_addr="127.0.0.1", master_port=29500, restart_count=0)
 
