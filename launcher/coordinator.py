@@ -732,8 +732,11 @@ class Coordinator:
         committed = s.commits.committed  # of the last world: the newest step storage has
         self._rounds += 1
         if s.electorate:  # it votes on the next rounds too until most of it learnt the new one
-            self._settle().append(membership.Electorate(
-                s.electorate_epoch, s.electorate, frozenset(s.voters), frozenset(s.gone & s.voters)))
+            # Its voters: those we knew by name, and (after a takeover, which knows 16) those
+            # that said in their join they held a seat in it; counted by name from now on.
+            voters = frozenset(s.voters | s.back)
+            self._settle().append(membership.Electorate(s.electorate_epoch, s.electorate, voters,
+                                                       frozenset(s.gone & voters)))
         s.epoch += 1
         s.expected_count = 0
         s.back, s.heard, s.gone, s.wins_tie = set(), set(), set(), True

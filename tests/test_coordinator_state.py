@@ -556,6 +556,36 @@ def test_a_takeovers_survivors_not_named_by_the_assign_keep_their_seats():
     assert sorted(state.group_ranks) == [*nodes[1:], "s1"], "s2 waits; no survivor dropped"
 
 
+def test_the_round_after_a_large_takeover_counts_the_survivors_that_said_they_held_seats():
+    """40 nodes lose the coordinator's: its successor knows 16 by name (the assign's) and the
+    others by their joins, which say they held a seat in the last round. The round after
+    (a node lost) counts that round as an earlier electorate until most of it learnt the
+    new one: by all 39 survivors, not by the 16 names (15 of 40 back: held until the join
+    timeout, the job lost)."""
+    nodes = [f"n{i:02}" for i in range(40)]
+    named = nodes[:coordinator_module.SUCCESSORS]
+    state = JobState(min_nodes=1, max_nodes=40, max_restarts=3, policy="job", backoff=0.0,
+                     backoff_max=1.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=1.0, join_timeout=60.0, host_node="n01", joining_since=1.0,
+                     epoch=3, expected_count=39, electorate=40, electorate_epoch=3,
+                     voters=set(named), gone={"n00"})  # what ControlPlane.fail_over sets
+    for rank, node in enumerate(named[1:], start=1):
+        state.group_ranks[node], state.standby_ports[node], state.last_seen[node] = rank, 4000, 1.0
+    coordinator = Coordinator(CapturingSocket(), SECRET, state, "coordinator node n00 lost")
+    for node in nodes[1:]:
+        _join_round(coordinator, node, seated_epoch=3, now=1.2)
+    coordinator._tick(2.5)
+    assert state.phase == "waiting_store" and len(state.group_ranks) == 39
+    _running(coordinator)
+    for node in nodes[1:]:
+        _beat(coordinator, node, electorate_epoch=4, now=3.0)
+    _silent_but(coordinator, nodes[1:-1], 9.0)  # n39 lost
+    for node in nodes[1:-1]:
+        _join_round(coordinator, node, seated_epoch=4, now=9.1)
+    _silent_but(coordinator, nodes[1:-1], 10.5)
+    assert state.phase == "waiting_store" and state.epoch == 5, "the round after was held"
+
+
 def test_a_fresh_endpoint_coordinator_keeps_the_successor_of_the_newest_epoch():
     """The endpoint's node itself was cut off and took over from inside the partition while
     the job went on (rounds, epochs) under a successor: both announce themselves at the
