@@ -13,7 +13,8 @@ import pytest
 import zmq
 from conftest import needs_iptables, silenced
 
-from ftlaunch_contract.messages import Assign, Join
+from ftlaunch_contract.messages import CONTROL, Assign, Join
+from ftlaunch_contract.protocol import Codec
 from launcher.control_plane import ControlPlane
 from launcher.coordinator import JobState, bind_router
 from launcher.membership import has_quorum
@@ -48,6 +49,20 @@ def _assigned(plane: ControlPlane, after: int, never_lost: bool = False) -> int:
                     and received.epoch > after:
                 return received.epoch
     raise AssertionError(f"{plane.node_id} got no assign")
+
+
+def _told(plane: ControlPlane, job: zmq.Socket, msg, epoch: int) -> None:
+    """``job`` (a ROUTER standing for the job's coordinators) sends ``msg`` to ``plane``,
+    which reads it (a heartbeat first: the ROUTER learns its identity)."""
+    plane.send(CONTROL["heartbeat"](node_id=plane.node_id, phase="", ranks=(),
+                                    electorate_epoch=-1), epoch)
+    assert job.poll(5000), f"nothing from {plane.node_id}"
+    identity = job.recv_multipart()[0]
+    job.send_multipart([identity, *Codec(SECRET).encode(msg, epoch)])
+    end = time.monotonic() + 5
+    while not plane.socket.poll(20) or (plane.receive() is None
+                                        and msg.TYPE != "heartbeat_ack"):
+        assert time.monotonic() < end, f"{plane.node_id} heard nothing"
 
 
 def _connections_to(port: int) -> set[int]:
@@ -263,11 +278,9 @@ def test_a_healed_node_forgets_the_coordinators_it_took_for_lost_once_the_job_sp
     real, b follows c, not the next one it had not written off (d), which no one follows
     (chaos seeds 1301 and 1306: the healed spare followed a node that never took over, found
     it silent, knew no other and failed)."""
-    from ftlaunch_contract.messages import CONTROL, Successor
-    from ftlaunch_contract.protocol import Codec
+    from ftlaunch_contract.messages import Successor
 
     ctx = zmq.Context()
-    codec = Codec(SECRET)
     job = ctx.socket(zmq.ROUTER)  # every coordinator and standby of the job, as one socket
     job.setsockopt(zmq.LINGER, 0)
     port = job.bind_to_random_port("tcp://127.0.0.1")
@@ -275,13 +288,7 @@ def test_a_healed_node_forgets_the_coordinators_it_took_for_lost_once_the_job_sp
                      NODE_TIMEOUT, 0.5)
 
     def tell(msg) -> None:
-        b.send(CONTROL["heartbeat"](node_id="b", phase="", ranks=(), electorate_epoch=-1), 1)
-        assert job.poll(5000), "nothing from b"
-        identity = job.recv_multipart()[0]
-        job.send_multipart([identity, *codec.encode(msg, 1)])
-        end = time.monotonic() + 5
-        while not (b.socket.poll(20) and b.receive() is not None):
-            assert time.monotonic() < end, "b heard nothing"
+        _told(b, job, msg, 1)
 
     members = tuple(Successor(n, "127.0.0.1", port) for n in "acd") + (
         Successor("b", "127.0.0.1", b.standby_port),)
@@ -310,8 +317,7 @@ def test_a_successor_counts_the_electorate_before_until_told_most_of_it_learnt_t
     over: d, e, f and g are four of the new seven, but none of the old three, so its round
     must wait. Once a's heartbeat ack said the old round settled (most of it learnt the
     new: b and c count by it, two of seven), d's round goes on."""
-    from ftlaunch_contract.messages import CONTROL, EarlierVoter, HeartbeatAck, Successor
-    from ftlaunch_contract.protocol import Codec
+    from ftlaunch_contract.messages import EarlierVoter, HeartbeatAck, Successor
 
     def seven() -> JobState:
         return JobState(min_nodes=1, max_nodes=7, max_restarts=3, policy="job", backoff=0.0,
@@ -319,7 +325,6 @@ def test_a_successor_counts_the_electorate_before_until_told_most_of_it_learnt_t
                         last_call=0.2, join_timeout=60.0, host_node="")
 
     ctx = zmq.Context()
-    codec = Codec(SECRET)
     job = ctx.socket(zmq.ROUTER)  # a, b and c, as one socket
     job.setsockopt(zmq.LINGER, 0)
     port = job.bind_to_random_port("tcp://127.0.0.1")
@@ -328,13 +333,7 @@ def test_a_successor_counts_the_electorate_before_until_told_most_of_it_learnt_t
     others: list[ControlPlane] = []
 
     def tell(msg) -> None:
-        d.send(CONTROL["heartbeat"](node_id="d", phase="", ranks=(), electorate_epoch=-1), 2)
-        assert job.poll(5000), "nothing from d"
-        identity = job.recv_multipart()[0]
-        job.send_multipart([identity, *codec.encode(msg, 2)])
-        end = time.monotonic() + 5
-        while not d.socket.poll(20) or (d.receive() is None and msg.TYPE != "heartbeat_ack"):
-            assert time.monotonic() < end, "d heard nothing"
+        _told(d, job, msg, 2)
 
     members = (*(Successor(n, "127.0.0.1", port) for n in "abc"),
                Successor("d", "127.0.0.1", d.standby_port),
