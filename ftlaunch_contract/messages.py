@@ -124,6 +124,7 @@ class Join(Body):
     held: HeldShards  # checkpoint shards whole in this node's memory
     restart_count: int  # the job's, as this agent knows it: a fresh coordinator takes the max
     seated_epoch: int  # the epoch of the round this node last held a seat in; -1: none yet
+    seated_before: int  # the one before (a successor counts a large earlier round by them)
     electorate_epoch: int  # see Heartbeat
 
 
@@ -228,7 +229,7 @@ class Assign(Body):
     max_restarts: int
     members: Successors
     spares: Successors  # the round's idle spares: they vote on the next (see has_quorum)
-    earlier: EarlierVoters  # earlier electorates not yet settled, each of <= 16 voters
+    earlier: EarlierVoters  # earlier electorates not yet settled (a larger one: one unnamed row)
     coordinator_node: str
     replicate_to: Peers  # who keeps copies of this node's staged shards
     fetch: Fetches  # what to pull from peers' memory before the ranks start

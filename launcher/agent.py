@@ -80,6 +80,7 @@ class Agent:
         self.epoch = 0
         self.assignment: messages.Assign | None = None
         self.seated_epoch = -1  # a takeover coordinator tells survivors from spares by it
+        self.seated_before = -1  # and a large earlier round's voters by both
         self.start_order: messages.Start | None = None  # the one being carried out
         self.store: AgentStore | None = None
         self.spare_store: AgentStore | None = None  # next attempt's, already importing torch
@@ -237,7 +238,8 @@ class Agent:
             log.warning("ignored an assignment in phase %s", self.phase)
             return
         self.assignment, self.replicate_to = msg, msg.replicate_to
-        self.seated_epoch = self.epoch
+        if self.seated_epoch != self.epoch:
+            self.seated_before, self.seated_epoch = self.seated_epoch, self.epoch
         self.events.emit("assigned", f"round of epoch {self.epoch}: group rank "
                          f"{msg.group_rank} of {msg.group_world_size} nodes", console=False,
                          epoch=self.epoch, group_rank=msg.group_rank,
@@ -773,6 +775,7 @@ class Agent:
                                  held=self.replicas.inventory(),
                                  restart_count=self.restart_count,
                                  seated_epoch=self.seated_epoch,
+                                 seated_before=self.seated_before,
                                  electorate_epoch=self.control.electorate_epoch))
 
     def _done(self, exit_code: int) -> None:

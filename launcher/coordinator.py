@@ -12,7 +12,7 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 import zmq
@@ -568,6 +568,7 @@ class Coordinator:
         s.replica_ports[node], s.held[node] = msg.replica_port, msg.held
         s.identities[node] = identity
         self._learnt(node, msg.electorate_epoch)
+        self._seated(node, (msg.seated_epoch, msg.seated_before))
         self._seen(node, now)
         if s.phase == RoundPhase.JOINING and msg.seated_epoch == s.electorate_epoch:
             s.back.add(node)  # of the last round, if a takeover's assign did not name it
@@ -933,6 +934,14 @@ class Coordinator:
         then forgets those its assign named before it (a successor counts no settled one)."""
         earlier = self._settle()
         return earlier[0].epoch if earlier else -1
+
+    def _seated(self, node: str, epochs: tuple[int, int]) -> None:
+        """A node says it held a seat in the rounds of these epochs: a voter of their
+        electorates, which a successor knew not by name (a large job's earlier round).
+        One that never says so is not counted: a round may wait, never close wrongly."""
+        s = self._state
+        s.earlier = [replace(e, voters=e.voters | {node})
+                     if e.epoch in epochs and node not in e.voters else e for e in s.earlier]
 
     def _learnt(self, node: str, electorate_epoch: int) -> None:
         s = self._state

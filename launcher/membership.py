@@ -112,11 +112,11 @@ def settled(electorate: Electorate, learnt: Mapping[str, int]) -> bool:
 
 def named(electorates: Iterable[Electorate], limit: int) -> list[tuple[int, int, str, bool]]:
     """What tells a successor the earlier ``electorates`` it must count too, as rows
-    (epoch, size, voter, gone): those whose every voter is known by name, of ``limit``
-    voters at most (an assign goes to every node; a larger electorate's successor is not
-    told it, and counts only its last round's)."""
+    (epoch, size, voter, gone): each voter of one of ``limit`` voters at most, all known by
+    name; of a larger one (an assign goes to every node) one row with no voter: its voters
+    are then those that say in their join they held a seat in its round (see Join)."""
     return [(e.epoch, e.size, voter, voter in e.gone) for e in electorates
-            if len(e.voters) == e.size <= limit for voter in sorted(e.voters)]
+            for voter in (sorted(e.voters) if len(e.voters) == e.size <= limit else [""])]
 
 
 def from_named(rows: Iterable[tuple[int, int, str, bool]]) -> list[Electorate]:
@@ -124,8 +124,8 @@ def from_named(rows: Iterable[tuple[int, int, str, bool]]) -> list[Electorate]:
     voters: dict[tuple[int, int], tuple[set[str], set[str]]] = {}
     for epoch, size, voter, gone in rows:
         names, gone_ones = voters.setdefault((epoch, size), (set(), set()))
-        names.add(voter)
-        if gone:
+        names.update([voter] if voter else [])
+        if gone and voter:
             gone_ones.add(voter)
     return [Electorate(epoch, size, frozenset(names), frozenset(gone_ones))
             for (epoch, size), (names, gone_ones) in sorted(voters.items())]

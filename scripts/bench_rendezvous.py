@@ -172,7 +172,7 @@ class Agents:
         p = self.planes[i]
         p.send(Join(node_id=p.node_id, local_world_size=LOCAL_WORLD, addr=p.addr,
                     rank_hint=-1, standby_port=p.standby_port or 0, replica_port=0, held=(),
-                    restart_count=0, seated_epoch=self.seated.get(i, -1),
+                    restart_count=0, seated_before=-1, seated_epoch=self.seated.get(i, -1),
                     electorate_epoch=self.seated.get(i, -1)), self.epoch[i])
         self.serve(i)  # a send may take the fd's signal of what arrived meanwhile
 

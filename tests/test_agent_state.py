@@ -664,3 +664,18 @@ def test_a_spare_says_whom_it_waits_under_each_time_that_changes():
                    cause="node n2 was dropped from the job; re-joining")
     machine._order("spare", coordinator_node="n4", members=(), spares=())
     assert machine.events.kinds.count("spare") == 3
+
+
+def test_a_join_says_the_last_two_rounds_the_node_held_a_seat_in():
+    """A large job's successor knows the round before the last by size only: its voters are
+    the nodes whose joins say they held a seat in it (seated_before)."""
+    machine = AgentMachine()
+    for restart in (1, 2):
+        machine.joins_pending = 1
+        machine.assign(group_rank=0)
+        machine._order("recover", policy="job", restart_count=restart, delay=0.0, cause="x")
+        for _ in range(3):  # (no ranks run: it stops at once and joins again)
+            machine.now += 1
+            machine.agent.on_timers(machine.now)
+    joins = [(m.seated_before, m.seated_epoch) for m in machine.control.sent if m.TYPE == "join"]
+    assert joins == [(-1, -1), (-1, 1), (1, 2)]

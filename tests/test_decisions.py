@@ -516,15 +516,18 @@ def test_a_side_still_on_the_electorate_before_never_trains_beside_the_coordinat
     assert not (coordinators_side and has_quorum(len(new), len(new & theirs), 0, False))
 
 
-def test_an_assign_names_each_earlier_electorate_a_successor_can_count_whole():
-    """A successor counts an earlier electorate as its predecessor did only knowing every
-    voter; an assign goes to every node, so one of more than 16 is not sent."""
+def test_an_assign_names_each_earlier_electorate_a_successor_counts():
+    """An assign goes to every node: an earlier electorate of more than 16 voters (or one
+    a successor knew partly) is sent as one row without a name; its successor learns its
+    voters from their joins."""
     small = Electorate(1, 3, frozenset("abc"), frozenset("c"))
     partly = Electorate(2, 20, frozenset("abc"))  # a large job's successor knows 16 of 20
     large = Electorate(3, 17, frozenset(f"n{i}" for i in range(17)))
     rows = named([small, partly, large], limit=16)
-    assert rows == [(1, 3, "a", False), (1, 3, "b", False), (1, 3, "c", True)]
-    assert from_named(rows) == [small]
+    assert rows == [(1, 3, "a", False), (1, 3, "b", False), (1, 3, "c", True),
+                    (2, 20, "", False), (3, 17, "", False)]
+    assert from_named(rows) == [small, Electorate(2, 20, frozenset()),
+                                Electorate(3, 17, frozenset())]
     assert from_named(named([large, small], limit=17)) == [small, large], "oldest first"
 
 
