@@ -162,6 +162,9 @@ class JobState:
     # a round needs a quorum of each of them too (membership.settled).
     earlier: list[membership.Electorate] = field(default_factory=list)
     learnt: dict[str, int] = field(default_factory=dict)  # node -> its newest electorate epoch
+    # An earlier electorate's voters a successor knew not by name, as their joins said (a
+    # seat in its round): epoch -> nodes.
+    reported: dict[int, set[str]] = field(default_factory=dict)
     heard: set[str] = field(default_factory=set)  # every node heard since the round opened
 
 
@@ -248,6 +251,7 @@ class Coordinator:
         self._announcement = announce[1] if announce else None
         self._rounds = 0  # rounds this coordinator formed
         self._said_short = False  # held for a quorum: said so, for the round forming
+        self._unsettled = -1  # what heartbeat acks say (see _oldest_unsettled)
         self._pace = pace(state.max_nodes)
         for endpoint in announce[0] if announce else ():
             announcer = sock.context.socket(zmq.DEALER)
@@ -255,6 +259,7 @@ class Coordinator:
             announcer.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued while no one is there
             announcer.connect(endpoint)
             self._announcers[announcer] = endpoint
+        self._oldest_unsettled()  # (a successor's: from its assign)
         if takeover_cause:
             self._recover_from(f"{takeover_cause}", time.monotonic())
 
@@ -504,7 +509,7 @@ class Coordinator:
                 next_beat = now + (now - beat)  # as far off as this one
                 if next_beat - acked > self._ack_within():
                     acked = now
-                    self._send(identity, HeartbeatAck(unsettled=self._oldest_unsettled()))
+                    self._send(identity, HeartbeatAck(unsettled=self._unsettled))
                 self._beats[identity] = (acked, now)
             else:  # declared lost but alive (it froze, or the network healed): come back in
                 self._send(identity, Recover(
@@ -765,7 +770,8 @@ class Coordinator:
         s.phase = RoundPhase.WAITING_STORE
         replicas = self._replicas(assignments, committed)
         s.assigns, s.start = {}, None
-        earlier = tuple(EarlierVoter(*row) for row in membership.named(s.earlier, SUCCESSORS))
+        earlier = tuple(EarlierVoter(*row) for row in membership.named(self._settle(), SUCCESSORS))
+        self._oldest_unsettled()  # before any ack follows the assigns
         for a in assignments:
             replicate_to, fetch = replicas[a.node_id]
             s.assigns[a.node_id] = Assign(
@@ -848,6 +854,7 @@ class Coordinator:
         s = self._state
         if s.final is not None:
             return
+        self._oldest_unsettled()
         for node in membership.silent_members(s.last_seen, now, self._liveness(), s.host_node):
             self._lose(node, now, silent=True)
         if s.final is None and s.phase == RoundPhase.JOINING:
@@ -915,7 +922,7 @@ class Coordinator:
         back, gone = len((s.back - ahead) | ({s.host_node} & s.voters)), len(s.gone & s.voters)
         if not membership.has_quorum(s.electorate, back, gone, s.wins_tie):
             return "the last round's", back, s.electorate, s.electorate - back - gone
-        for e in s.earlier:
+        for e in s.earlier:  # (with their reported voters: see _settle)
             back = len(((s.heard - ahead) | {s.host_node}) & e.voters)
             gone = len(e.gone | (s.gone & e.voters))
             if not membership.has_quorum(e.size, back, gone, s.wins_tie):
@@ -924,24 +931,36 @@ class Coordinator:
         return None
 
     def _settle(self) -> list[membership.Electorate]:
-        """The earlier electorates not settled yet (forgetting the others), oldest first."""
+        """The earlier electorates not settled yet (forgetting the others), oldest first,
+        with their reported voters."""
         s = self._state
-        s.earlier = [e for e in s.earlier if not membership.settled(e, s.learnt)]
+        s.earlier = [e for e in map(self._counted, s.earlier)
+                     if not membership.settled(e, s.learnt)]
+        s.reported = {}  # (counted in now)
         return s.earlier
 
     def _oldest_unsettled(self) -> int:
         """The epoch of the oldest earlier electorate not settled yet, -1 if none: an agent
-        then forgets those its assign named before it (a successor counts no settled one)."""
+        then forgets those its assign named before it (a successor counts no settled one).
+        Found once a tick and at each close, not per ack (O(voters))."""
         earlier = self._settle()
-        return earlier[0].epoch if earlier else -1
+        self._unsettled = earlier[0].epoch if earlier else -1
+        return self._unsettled
 
     def _seated(self, node: str, epochs: tuple[int, int]) -> None:
         """A node says it held a seat in the rounds of these epochs: a voter of their
         electorates, which a successor knew not by name (a large job's earlier round).
         One that never says so is not counted: a round may wait, never close wrongly."""
         s = self._state
-        s.earlier = [replace(e, voters=e.voters | {node})
-                     if e.epoch in epochs and node not in e.voters else e for e in s.earlier]
+        for e in s.earlier:
+            if e.epoch in epochs and node not in e.voters:
+                s.reported.setdefault(e.epoch, set()).add(node)
+
+    def _counted(self, electorate: membership.Electorate) -> membership.Electorate:
+        """An earlier electorate with the voters that reported themselves (see _seated)."""
+        reported = self._state.reported.get(electorate.epoch)
+        return replace(electorate, voters=electorate.voters | reported) if reported \
+            else electorate
 
     def _learnt(self, node: str, electorate_epoch: int) -> None:
         s = self._state
