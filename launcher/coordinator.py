@@ -251,7 +251,7 @@ class Coordinator:
         self._announcement = announce[1] if announce else None
         self._rounds = 0  # rounds this coordinator formed
         self._said_short = False  # held for a quorum: said so, for the round forming
-        self._unsettled = -1  # what heartbeat acks say (see _oldest_unsettled)
+        self._unsettled = -1  # what heartbeat acks say (see _note_unsettled)
         self._pace = pace(state.max_nodes)
         for endpoint in announce[0] if announce else ():
             announcer = sock.context.socket(zmq.DEALER)
@@ -259,7 +259,7 @@ class Coordinator:
             announcer.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued while no one is there
             announcer.connect(endpoint)
             self._announcers[announcer] = endpoint
-        self._oldest_unsettled()  # (a successor's: from its assign)
+        self._note_unsettled()  # (a successor's: from its assign)
         if takeover_cause:
             self._recover_from(f"{takeover_cause}", time.monotonic())
 
@@ -771,7 +771,7 @@ class Coordinator:
         replicas = self._replicas(assignments, committed)
         s.assigns, s.start = {}, None
         earlier = tuple(EarlierVoter(*row) for row in membership.named(self._settle(), SUCCESSORS))
-        self._oldest_unsettled()  # before any ack follows the assigns
+        self._note_unsettled()  # before any ack follows the assigns
         for a in assignments:
             replicate_to, fetch = replicas[a.node_id]
             s.assigns[a.node_id] = Assign(
@@ -854,7 +854,7 @@ class Coordinator:
         s = self._state
         if s.final is not None:
             return
-        self._oldest_unsettled()
+        self._note_unsettled()
         for node in membership.silent_members(s.last_seen, now, self._liveness(), s.host_node):
             self._lose(node, now, silent=True)
         if s.final is None and s.phase == RoundPhase.JOINING:
@@ -939,13 +939,12 @@ class Coordinator:
         s.reported = {}  # (counted in now)
         return s.earlier
 
-    def _oldest_unsettled(self) -> int:
-        """The epoch of the oldest earlier electorate not settled yet, -1 if none: an agent
-        then forgets those its assign named before it (a successor counts no settled one).
-        Found once a tick and at each close, not per ack (O(voters))."""
+    def _note_unsettled(self) -> None:
+        """What heartbeat acks say: the epoch of the oldest earlier electorate not settled
+        yet, -1 if none (an agent then forgets those its assign named before it: a successor
+        counts no settled one). Found once a tick and at each close, not per ack (O(voters))."""
         earlier = self._settle()
         self._unsettled = earlier[0].epoch if earlier else -1
-        return self._unsettled
 
     def _seated(self, node: str, epochs: tuple[int, int]) -> None:
         """A node says it held a seat in the rounds of these epochs: a voter of their
