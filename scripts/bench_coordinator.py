@@ -70,9 +70,9 @@ def host(n, takeover, conn, cpu):
     round_times = []  # the round closed, its assigns queued: the coordinator thread's share
     complete = coordinator._complete_round
 
-    def timed_round():
+    def timed_round(now: float) -> None:
         round_times.append(time.monotonic())
-        complete()
+        complete(now)
         round_times.append(time.monotonic())
     coordinator._complete_round = timed_round
     coordinator.start()
