@@ -140,6 +140,7 @@ class Agents:
         self.context.set(zmq.MAX_SOCKETS, 12 * len(ids) + 64)  # 9 an agent: 3 monitored
         self.n, self.interval = n, interval
         self.planes, self.epoch, self.assign, self.seated = {}, {}, {}, {}
+        self.seated_before: dict[int, int] = {}  # as an agent keeps them (see Join)
         self.silent, self.closed = set(), set()
         self.next_scan = 0.0
         self.seen = {"assign": {}, "start": {}, "recover": {}, "failover": {}}
@@ -172,7 +173,8 @@ class Agents:
         p = self.planes[i]
         p.send(Join(node_id=p.node_id, local_world_size=LOCAL_WORLD, addr=p.addr,
                     rank_hint=-1, standby_port=p.standby_port or 0, replica_port=0, held=(),
-                    restart_count=0, seated_before=-1, seated_epoch=self.seated.get(i, -1),
+                    restart_count=0, seated_before=self.seated_before.get(i, -1),
+                    seated_epoch=self.seated.get(i, -1),
                     electorate_epoch=self.seated.get(i, -1)), self.epoch[i])
         self.serve(i)  # a send may take the fd's signal of what arrived meanwhile
 
@@ -214,6 +216,8 @@ class Agents:
         self.epoch[i] = max(self.epoch[i], received.epoch)
         msg, p = received.body, self.planes[i]
         if isinstance(msg, Assign):
+            if self.seated.get(i, -1) != received.epoch:
+                self.seated_before[i] = self.seated.get(i, -1)
             self.assign[i], self.seated[i] = msg, received.epoch
             self.note("assign", received.epoch, i, now)
             if msg.group_rank == 0:  # it holds torch's store
