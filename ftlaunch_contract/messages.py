@@ -84,6 +84,7 @@ Fetches = tuple[Fetch, ...]
 RankStates = tuple[RankState, ...]
 NodeStates = tuple[NodeState, ...]
 NodeRankStates = tuple[NodeRankState, ...]
+Epochs = tuple[int, ...]
 ROWS: dict[Any, type[tuple[Any, ...]]] = {Successors: Successor, EarlierVoters: EarlierVoter,
                                           Peers: Peer,
                                           HeldShards: Held, Fetches: Fetch,
@@ -124,7 +125,11 @@ class Join(Body):
     held: HeldShards  # checkpoint shards whole in this node's memory
     restart_count: int  # the job's, as this agent knows it: a fresh coordinator takes the max
     seated_epoch: int  # the epoch of the round this node last held a seat in; -1: none yet
-    seated_before: int  # the one before (a successor counts a large earlier round by them)
+    # Those before it since settled_below: a successor counts a large earlier round by them.
+    seated_earlier: Epochs
+    # Every electorate of an epoch before it is settled, as its coordinator told this node
+    # (its assign's earlier rows, its heartbeat acks): a successor counts none of those.
+    settled_below: int
     electorate_epoch: int  # see Heartbeat
 
 

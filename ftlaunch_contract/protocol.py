@@ -54,6 +54,12 @@ def _bool(value: Any) -> bool:
     return type(value) is bool
 
 
+def EPOCHS_CHECK(value: Any) -> bool:  # noqa: N802 (a constant, as ROW_CHECKS' are)
+    """A list of epochs (ints, never bools)."""
+    return isinstance(value, (list, tuple)) and len(value) <= 10_000 and all(
+        type(v) is int for v in value)
+
+
 def _env(value: Any) -> bool:
     return isinstance(value, dict) and len(value) <= 10_000 and all(
         isinstance(k, str) and isinstance(v, str) for k, v in value.items())
@@ -61,7 +67,7 @@ def _env(value: Any) -> bool:
 
 ROW_CHECKS = {record: _rows(record) for record in messages.ROWS.values()}
 _CHECKS: dict[Any, Any] = {int: _INT, str: _STR, float: _FLOAT, int | None: _OPT_INT,
-                           bool: _bool, messages.Env: _env,
+                           bool: _bool, messages.Env: _env, messages.Epochs: EPOCHS_CHECK,
                            **{rows: ROW_CHECKS[record] for rows, record in messages.ROWS.items()}}
 """What a field's annotation demands of its value on the wire (an int is never a bool)."""
 
@@ -99,12 +105,13 @@ def unpack_local(data: bytes) -> Body:
 
 
 def _row_fields(types: dict[str, type[Body]]) -> dict[type[Body], tuple[tuple[str, Any], ...]]:
-    """Per message class: its fields that hold rows, with the record each row becomes."""
+    """Per message class: its fields that hold lists, with the record each row becomes (None:
+    a list of ints, which becomes a tuple as it is)."""
     out = {}
     for cls in types.values():
         hints = get_type_hints(cls, vars(messages))
-        out[cls] = tuple((name, messages.ROWS[hint]) for name, hint in hints.items()
-                         if hint in messages.ROWS)
+        out[cls] = tuple((name, messages.ROWS.get(hint)) for name, hint in hints.items()
+                         if hint in messages.ROWS or hint == messages.Epochs)
     return out
 
 
@@ -114,7 +121,8 @@ _ROW_FIELDS = {**_row_fields(messages.CONTROL), **_row_fields(messages.LOCAL)}
 
 def _build(cls: type[Body], fields: dict[str, Any]) -> Body:
     for name, record in _ROW_FIELDS[cls]:
-        fields[name] = tuple(record(*row) for row in fields[name])
+        fields[name] = tuple(fields[name]) if record is None else \
+            tuple(record(*row) for row in fields[name])
     return cls(**fields)
 
 

@@ -30,6 +30,7 @@ from launcher import (
     failures,
     goodput,
     live_status,
+    membership,
     node_policy,
     replica_service,
 )
@@ -79,8 +80,10 @@ class Agent:
         self.deadline: float | None = None  # when the phase's wait ends
         self.epoch = 0
         self.assignment: messages.Assign | None = None
-        self.seated_epoch = -1  # a takeover coordinator tells survivors from spares by it
-        self.seated_before = -1  # and a large earlier round's voters by both
+        # The rounds this node held a seat in, the last one's and those since the oldest not
+        # settled: a takeover coordinator tells survivors from spares by the last, and a
+        # large earlier round's voters by the others (see Join).
+        self.seats: list[int] = []
         self.start_order: messages.Start | None = None  # the one being carried out
         self.store: AgentStore | None = None
         self.spare_store: AgentStore | None = None  # next attempt's, already importing torch
@@ -238,8 +241,8 @@ class Agent:
             log.warning("ignored an assignment in phase %s", self.phase)
             return
         self.assignment, self.replicate_to = msg, msg.replicate_to
-        if self.seated_epoch != self.epoch:
-            self.seated_before, self.seated_epoch = self.seated_epoch, self.epoch
+        if self.seats[-1:] != [self.epoch]:
+            self.seats.append(self.epoch)
         self.events.emit("assigned", f"round of epoch {self.epoch}: group rank "
                          f"{msg.group_rank} of {msg.group_world_size} nodes", console=False,
                          epoch=self.epoch, group_rank=msg.group_rank,
@@ -768,14 +771,17 @@ class Agent:
         self._send_join()
 
     def _send_join(self) -> None:
+        settled = self.control.settled_below  # (what a successor need not count)
+        self.seats = membership.seats_to_report(self.seats, settled)
         self._send(messages.Join(node_id=self.plan.node_id,
                                  local_world_size=self.plan.local_world_size,
                                  addr=self.plan.addr, standby_port=self.control.standby_port or 0,
                                  rank_hint=self.plan.rank_hint, replica_port=self.replicas.port,
                                  held=self.replicas.inventory(),
                                  restart_count=self.restart_count,
-                                 seated_epoch=self.seated_epoch,
-                                 seated_before=self.seated_before,
+                                 seated_epoch=self.seats[-1] if self.seats else -1,
+                                 seated_earlier=tuple(self.seats[:-1]),
+                                 settled_below=settled,
                                  electorate_epoch=self.control.electorate_epoch))
 
     def _done(self, exit_code: int) -> None:

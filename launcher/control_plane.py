@@ -446,6 +446,12 @@ class ControlPlane:
         self._drop_probe()
 
     @property
+    def settled_below(self) -> int:
+        """Every electorate of an epoch before this one is settled, as our coordinator said:
+        its assign listed the unsettled ones, its acks say which still are (see Join)."""
+        return min((v.epoch for v in self.earlier), default=self.electorate_epoch)
+
+    @property
     def knows_successors(self) -> bool:
         """An assign or (a spare's) spare said who would take over the coordinator."""
         return bool(self.members)

@@ -573,7 +573,7 @@ class Coordinator:
         s.replica_ports[node], s.held[node] = msg.replica_port, msg.held
         s.identities[node] = identity
         self._learnt(node, msg.electorate_epoch)
-        self._seated(node, (msg.seated_epoch, msg.seated_before))
+        self._seated(node, (msg.seated_epoch, *msg.seated_earlier), msg.settled_below)
         self._seen(node, now)
         if s.phase == RoundPhase.JOINING and msg.seated_epoch == s.electorate_epoch:
             s.back.add(node)  # of the last round, if a takeover's assign did not name it
@@ -946,11 +946,14 @@ class Coordinator:
         earlier = self._settle()
         self._unsettled = earlier[0].epoch if earlier else -1
 
-    def _seated(self, node: str, epochs: tuple[int, int]) -> None:
+    def _seated(self, node: str, epochs: tuple[int, ...], settled_below: int) -> None:
         """A node says it held a seat in the rounds of these epochs: a voter of their
         electorates, which a successor knew not by name (a large job's earlier round).
-        One that never says so is not counted: a round may wait, never close wrongly."""
+        One that never says so is not counted: a round may wait, never close wrongly.
+        It reports those since the oldest it was told is not settled; what a coordinator
+        told it is settled stays so (most of it learnt better), and is counted no more."""
         s = self._state
+        s.earlier = [e for e in s.earlier if e.epoch >= settled_below]
         for e in s.earlier:
             if e.epoch in epochs and node not in e.voters:
                 s.reported.setdefault(e.epoch, set()).add(node)

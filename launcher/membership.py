@@ -131,6 +131,15 @@ def from_named(rows: Iterable[tuple[int, int, str, bool]]) -> list[Electorate]:
             for (epoch, size), (names, gone_ones) in sorted(voters.items())]
 
 
+def seats_to_report(seats: Iterable[int], settled_below: int) -> list[int]:
+    """Of the rounds a node held seats in (oldest first), those its join reports: the last
+    (survivor or spare?) and each before it whose electorate may not be settled (a large
+    job's successor counts those voters by them). However often the electorate changed
+    before most heard of it, every voter of each one not settled says so."""
+    seats = list(seats)
+    return [e for e in seats[:-1] if e >= settled_below] + seats[-1:]
+
+
 HEARTBEATS_PER_SECOND = 1024
 """What a coordinator hears at most from a large job's heartbeats: beyond that many nodes
 per configured interval, each node heartbeats less often (see beat_interval)."""

@@ -107,7 +107,7 @@ def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False)
                 socks[i] = dealer(context, port)
             socks[i].send_multipart(codecs[i].encode(Join(
                 node_id=node(i), local_world_size=8, addr="127.0.0.1", rank_hint=-1,
-                standby_port=1, replica_port=0, held=(), restart_count=0, seated_before=-1, seated_epoch=5, electorate_epoch=5), 5))
+                standby_port=1, replica_port=0, held=(), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=5, electorate_epoch=5), 5))
         sent_at, arrived = time.monotonic(), {}
         # One epoll over ZeroMQ's notification fds (zmq_poll over thousands of sockets costs
         # milliseconds a call), and each message decoded only after the last arrived: on a

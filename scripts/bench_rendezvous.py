@@ -139,8 +139,8 @@ class Agents:
         self.context = zmq.Context()
         self.context.set(zmq.MAX_SOCKETS, 12 * len(ids) + 64)  # 9 an agent: 3 monitored
         self.n, self.interval = n, interval
-        self.planes, self.epoch, self.assign, self.seated = {}, {}, {}, {}
-        self.seated_before: dict[int, int] = {}  # as an agent keeps them (see Join)
+        self.planes, self.epoch, self.assign = {}, {}, {}
+        self.seats: dict[int, list[int]] = {}  # as an agent keeps them (see Join)
         self.silent, self.closed = set(), set()
         self.next_scan = 0.0
         self.seen = {"assign": {}, "start": {}, "recover": {}, "failover": {}}
@@ -171,11 +171,12 @@ class Agents:
 
     def join(self, i):
         p = self.planes[i]
+        seats = self.seats[i] = membership.seats_to_report(self.seats.get(i, []), p.settled_below)
         p.send(Join(node_id=p.node_id, local_world_size=LOCAL_WORLD, addr=p.addr,
                     rank_hint=-1, standby_port=p.standby_port or 0, replica_port=0, held=(),
-                    restart_count=0, seated_before=self.seated_before.get(i, -1),
-                    seated_epoch=self.seated.get(i, -1),
-                    electorate_epoch=self.seated.get(i, -1)), self.epoch[i])
+                    restart_count=0, seated_epoch=seats[-1] if seats else -1,
+                    seated_earlier=tuple(seats[:-1]), settled_below=p.settled_below,
+                    electorate_epoch=p.electorate_epoch), self.epoch[i])
         self.serve(i)  # a send may take the fd's signal of what arrived meanwhile
 
     def serve(self, i, monitors=False):
@@ -216,9 +217,10 @@ class Agents:
         self.epoch[i] = max(self.epoch[i], received.epoch)
         msg, p = received.body, self.planes[i]
         if isinstance(msg, Assign):
-            if self.seated.get(i, -1) != received.epoch:
-                self.seated_before[i] = self.seated.get(i, -1)
-            self.assign[i], self.seated[i] = msg, received.epoch
+            seats = self.seats.setdefault(i, [])
+            if seats[-1:] != [received.epoch]:
+                seats.append(received.epoch)
+            self.assign[i] = msg
             self.note("assign", received.epoch, i, now)
             if msg.group_rank == 0:  # it holds torch's store
                 p.send(StoreReady(master_addr="127.0.0.1", master_port=1), received.epoch)
@@ -417,6 +419,7 @@ def can_silence():
     return os.geteuid() == 0 and shutil.which("iptables") is not None
 
 
+ROOMY_FROM = 1024  # agents: fewer fit the kernel's defaults
 ROOMY_KERNEL = {"net/ipv4/ip_local_port_range": "10000\t65535", "net/core/somaxconn": "65535",
                 "net/ipv4/tcp_max_syn_backlog": "65535", "net/core/netdev_max_backlog": "65536"}
 """One machine plays 16,384: each agent has two connections to the coordinator (see
@@ -429,11 +432,13 @@ TCP retry for its agent); a real machine has a NIC queue per core instead."""
 
 
 @contextlib.contextmanager
-def roomy_kernel():
-    """ROOMY_KERNEL's settings for the run (as root), the machine's own restored after."""
+def roomy_kernel(n):
+    """ROOMY_KERNEL's settings for a run of ``n`` agents that needs them (as root), the
+    machine's own restored after. A small run leaves the machine as it is: a wider port
+    range would hand other programs' fixed ports out as ephemeral ones meanwhile."""
     saved = {}
     try:
-        if os.geteuid() == 0:
+        if os.geteuid() == 0 and n > ROOMY_FROM:
             for key, value in ROOMY_KERNEL.items():
                 path = f"/proc/sys/{key}"
                 with open(path) as f:
@@ -745,7 +750,7 @@ def main():
     raise_nofile(max(sizes) * FDS_PER_AGENT + 4096)  # the coordinator: one per agent
     logging.getLogger("ftlaunch").setLevel(logging.ERROR)  # "node ... lost" is expected here
     rows = []
-    with roomy_kernel() as changed:
+    with roomy_kernel(max(sizes)) as changed:
         if not changed and max(sizes) > 8192:
             print("not root: the kernel's port range and listen backlog stay as they are")
         runs_by_size = {}

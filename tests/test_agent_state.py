@@ -189,6 +189,7 @@ class FakeControl:
         self.lost = False
         self.successor: str | None = "n1"
         self.electorate_epoch = -1  # the assign its members came with (see Heartbeat)
+        self.settled_below = -1  # what its coordinator said is settled (see Join)
         self.coordinator_node, self.standby_port, self.next_heartbeat = "n0", 4000, 0.0
         self.connection_lost = False
         self.knows_successors = False
@@ -666,16 +667,26 @@ def test_a_spare_says_whom_it_waits_under_each_time_that_changes():
     assert machine.events.kinds.count("spare") == 3
 
 
-def test_a_join_says_the_last_two_rounds_the_node_held_a_seat_in():
-    """A large job's successor knows the round before the last by size only: its voters are
-    the nodes whose joins say they held a seat in it (seated_before)."""
+def test_a_join_says_every_round_the_node_held_a_seat_in_since_the_oldest_not_settled():
+    """A large job's successor knows an earlier round by size only: its voters are the nodes
+    whose joins say they held a seat in it. However many rounds closed before most heard of
+    them, each not settled is reported (not only the last two); a settled one no more."""
     machine = AgentMachine()
-    for restart in (1, 2):
-        machine.joins_pending = 1
-        machine.assign(group_rank=0)
-        machine._order("recover", policy="job", restart_count=restart, delay=0.0, cause="x")
-        for _ in range(3):  # (no ranks run: it stops at once and joins again)
-            machine.now += 1
-            machine.agent.on_timers(machine.now)
-    joins = [(m.seated_before, m.seated_epoch) for m in machine.control.sent if m.TYPE == "join"]
-    assert joins == [(-1, -1), (-1, 1), (1, 2)]
+
+    def rounds(restarts):
+        for restart in restarts:
+            machine.joins_pending = 1
+            machine.assign(group_rank=0)
+            machine._order("recover", policy="job", restart_count=restart, delay=0.0,
+                           cause="x")
+            for _ in range(3):  # (no ranks run: it stops at once and joins again)
+                machine.now += 1
+                machine.agent.on_timers(machine.now)
+
+    rounds((1, 2, 3))
+    machine.control.settled_below = 2  # its coordinator said the round of epoch 1's is
+    rounds((4,))
+    joins = [(m.seated_epoch, m.seated_earlier, m.settled_below)
+             for m in machine.control.sent if m.TYPE == "join"]
+    assert joins == [(-1, (), -1), (1, (), -1), (2, (1,), -1), (3, (1, 2), -1),
+                     (4, (2, 3), 2)]

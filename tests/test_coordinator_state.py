@@ -70,7 +70,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         """``held``: the checkpoint shards the node says it has in memory."""
         self._deliver(node, "join", node_id=node, local_world_size=size, addr=f"10.0.0.{node[1]}",
                       standby_port=4000, rank_hint=-1, replica_port=4100, held=tuple(held), restart_count=0,
-                      seated_epoch=-1, seated_before=-1, electorate_epoch=-1)
+                      seated_epoch=-1, seated_earlier=(), settled_below=-1, electorate_epoch=-1)
         self.held[node] = set(held)
 
     @rule(node=st.sampled_from(NODES))
@@ -159,7 +159,7 @@ def _two_nodes_joined(held_by_node) -> tuple[Coordinator, CapturingSocket]:
     for i, (node, held) in enumerate(held_by_node.items()):
         coordinator._handle(node.encode(), Envelope(0, CONTROL["join"](
             node_id=node, local_world_size=1, addr=f"10.0.0.{i + 1}", standby_port=4000,
-            rank_hint=-1, replica_port=4100 + i, held=tuple(held), restart_count=0, seated_before=-1, seated_epoch=-1, electorate_epoch=-1)), 1.0)
+            rank_hint=-1, replica_port=4100 + i, held=tuple(held), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)), 1.0)
     coordinator._tick(1.1)
     return coordinator, socket
 
@@ -208,7 +208,7 @@ def test_a_node_lost_while_a_round_forms_gives_its_seat_to_a_waiting_spare():
     coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
     state = coordinator._state
     join = CONTROL["join"](node_id="spare", local_world_size=1, addr="10.0.0.3",
-                           standby_port=4000, rank_hint=-1, replica_port=4102, held=(), restart_count=0, seated_before=-1, seated_epoch=-1, electorate_epoch=-1)
+                           standby_port=4000, rank_hint=-1, replica_port=4102, held=(), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)
     coordinator._handle(b"spare", Envelope(0, join), 1.2)
     coordinator._handle(b"a", Envelope(1, CONTROL["store_ready"](master_addr="10.0.0.1",
                                                                  master_port=29500)), 1.3)
@@ -219,7 +219,7 @@ def test_a_node_lost_while_a_round_forms_gives_its_seat_to_a_waiting_spare():
     assert state.phase == "joining"
     coordinator._handle(b"a", Envelope(1, CONTROL["join"](
         node_id="a", local_world_size=1, addr="10.0.0.1", standby_port=4000, rank_hint=0,
-        replica_port=4100, held=(), restart_count=0, seated_before=-1, seated_epoch=-1, electorate_epoch=-1)), 2.1)
+        replica_port=4100, held=(), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)), 2.1)
     for now in (3.0, 5.0, 6.0, 7.5):  # b is silent; a and the spare are not
         state.last_seen.update(a=now, spare=now)
         coordinator._tick(now)
@@ -254,7 +254,7 @@ def test_a_pod_stopped_by_sigterm_leaves_and_its_replacement_takes_its_seat():
     for node, now in (("a", 3.1), ("b-replacement", 4.0)):
         coordinator._handle(node.encode(), Envelope(1, CONTROL["join"](
             node_id=node, local_world_size=1, addr="10.0.0.9", standby_port=4000,
-            rank_hint=-1, replica_port=4100, held=(), restart_count=0, seated_before=-1, seated_epoch=-1, electorate_epoch=-1)), now)
+            rank_hint=-1, replica_port=4100, held=(), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)), now)
     coordinator._tick(5.5)
     assert sorted(state.group_ranks) == ["a", "b-replacement"]
     assert state.phase == "waiting_store" and state.restart_count == 0, "not a failure"
@@ -280,7 +280,7 @@ def _fresh(host: str = "p0") -> tuple[Coordinator, CapturingSocket]:
 def _join(coordinator: Coordinator, node: str, epoch: int, now: float) -> None:
     coordinator._handle(node.encode(), Envelope(epoch, CONTROL["join"](
         node_id=node, local_world_size=1, addr="10.0.0.9", standby_port=4000, rank_hint=-1,
-        replica_port=4100, held=(), restart_count=0, seated_before=-1, seated_epoch=-1, electorate_epoch=-1)), now)
+        replica_port=4100, held=(), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)), now)
 
 
 def test_a_fresh_coordinator_continues_the_epochs_of_the_job_it_finds():
@@ -523,13 +523,14 @@ def test_a_spare_joining_a_round_first_does_not_take_a_survivors_seat():
 
 
 def _join_round(coordinator: Coordinator, node: str, seated_epoch: int, now: float,
-                electorate_epoch: int | None = None, seated_before: int = -1) -> None:
+                electorate_epoch: int | None = None, seated_earlier: tuple[int, ...] = (),
+                settled_below: int = -1) -> None:
     """``electorate_epoch``: of the assign (or spare word) it follows; by default the round
     it held a seat in."""
     coordinator._handle(node.encode(), Envelope(coordinator._state.epoch, CONTROL["join"](
         node_id=node, local_world_size=1, addr="10.0.0.9", standby_port=4000, rank_hint=-1,
-        replica_port=0, held=(), restart_count=1, seated_before=seated_before,
-        seated_epoch=seated_epoch,
+        replica_port=0, held=(), restart_count=1, seated_earlier=seated_earlier,
+        settled_below=settled_below, seated_epoch=seated_epoch,
         electorate_epoch=seated_epoch if electorate_epoch is None else electorate_epoch)), now)
 
 
@@ -614,7 +615,7 @@ def test_a_large_jobs_successor_counts_the_round_before_by_the_seats_its_nodes_r
     back = old[1:] if old_side_back else old[1:6]
     with caplog.at_level(logging.WARNING, logger="ftlaunch.coordinator"):
         for node in back:
-            _join_round(coordinator, node, seated_epoch=3, seated_before=2, now=1.2)
+            _join_round(coordinator, node, seated_epoch=3, seated_earlier=(2,), now=1.2)
         for node in new:
             _join_round(coordinator, node, seated_epoch=3, now=1.2)
         _silent_but(coordinator, [*back, *new], 2.5)
@@ -626,6 +627,49 @@ def test_a_large_jobs_successor_counts_the_round_before_by_the_seats_its_nodes_r
         assert state.phase == "joining", "both sides of a partition train"
         assert "5 of the round of epoch 2's (most not yet told of the next) 20 nodes" \
             in caplog.text
+
+
+@pytest.mark.parametrize("joins_say", ["every seat", "the last two", "settled"])
+def test_a_large_jobs_successor_counts_each_earlier_round_its_nodes_report(joins_say, caplog):
+    """20 nodes scaled up to 21, then to 22, before most heard of either round (at 16,384
+    nodes a node beats every 16 s); then n00, the coordinator, is lost. Its successor n01
+    knows the rounds of epochs 2 and 3 by size only. The survivors' joins say every round
+    they held a seat in since the oldest not settled: the round closes. Had they said only
+    their last two (as joins did), nobody would have said so of epoch 2's: held to the join
+    timeout. Had their coordinator told them those rounds were settled, n01 counts them no
+    more."""
+    import logging
+
+    from launcher.membership import Electorate
+
+    nodes = [f"n{i:02}" for i in range(22)]
+    named = nodes[:coordinator_module.SUCCESSORS]
+    state = JobState(min_nodes=1, max_nodes=22, max_restarts=3, policy="job", backoff=0.0,
+                     backoff_max=1.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=1.0, join_timeout=60.0, host_node="n01", joining_since=1.0,
+                     epoch=4, expected_count=21, electorate=22, electorate_epoch=4,
+                     voters=set(named), wins_tie=False,  # n00 silent: cut off, maybe alive
+                     earlier=[Electorate(2, 20, frozenset()), Electorate(3, 21, frozenset())])
+    for rank, node in enumerate(named[1:], start=1):
+        state.group_ranks[node], state.standby_ports[node], state.last_seen[node] = rank, 4000, 1.0
+    coordinator = Coordinator(CapturingSocket(), SECRET, state, "coordinator node n00 lost")
+    with caplog.at_level(logging.WARNING, logger="ftlaunch.coordinator"):
+        for i, node in enumerate(nodes[1:], start=1):
+            seats = [e for e, size in ((2, 20), (3, 21)) if i < size]  # n20 came at 3, n21 at 4
+            if joins_say == "the last two":
+                seats = seats[-1:]
+            _join_round(coordinator, node, seated_epoch=4, now=1.2,
+                        seated_earlier=() if joins_say == "settled" else tuple(seats),
+                        settled_below=4 if joins_say == "settled" else 2)
+        _silent_but(coordinator, nodes[1:], 2.5)
+        _silent_but(coordinator, nodes[1:], 4.0)
+    if joins_say == "the last two":
+        assert state.phase == "joining"
+        assert "0 of the round of epoch 2's (most not yet told of the next) 20 nodes" \
+            in caplog.text
+    else:
+        assert state.phase == "waiting_store" and state.epoch == 5, "the round was held"
+        assert len(state.group_ranks) == 21
 
 
 def test_a_fresh_endpoint_coordinator_keeps_the_successor_of_the_newest_epoch():
@@ -677,12 +721,12 @@ def test_a_member_that_joins_again_without_its_seat_is_sent_its_assign_again():
     assert sent_to(b"b") == ["assign"]
     coordinator._handle(b"b-again", Envelope(state.epoch, CONTROL["join"](
         node_id="b", local_world_size=1, addr="10.0.0.2", standby_port=4000, rank_hint=-1,
-        replica_port=4101, held=(), restart_count=0, seated_before=-1, seated_epoch=-1, electorate_epoch=-1)), 1.25)
+        replica_port=4101, held=(), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)), 1.25)
     assert [m.body for to, m in socket.sent if to == b"b-again"] == [first[b"b"]]
     _running(coordinator)
     coordinator._handle(b"b-third", Envelope(state.epoch, CONTROL["join"](
         node_id="b", local_world_size=1, addr="10.0.0.2", standby_port=4000, rank_hint=-1,
-        replica_port=4101, held=(), restart_count=0, seated_before=-1, seated_epoch=0, electorate_epoch=0)), 1.4)
+        replica_port=4101, held=(), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=0, electorate_epoch=0)), 1.4)
     assert sent_to(b"b-third") == ["assign", "start"], "started already: the start as well"
     assert sorted(state.group_ranks) == ["a", "b"] and state.phase == "running"
 
@@ -754,7 +798,7 @@ def test_a_spare_silent_for_half_the_liveness_timeout_is_not_seated_until_it_spe
     state = coordinator._state
     spare = CONTROL["join"](node_id="s", local_world_size=1, addr="10.0.0.3", standby_port=4000,
                             rank_hint=-1, replica_port=4102, held=(), restart_count=0,
-                            seated_before=-1, seated_epoch=-1, electorate_epoch=-1)
+                            seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)
     coordinator._handle(b"s", Envelope(1, spare), 1.4)
     liveness = coordinator._liveness()
     later = 1.4 + liveness / 2 + 0.1  # s silent since 1.4; a beats on

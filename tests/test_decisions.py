@@ -22,6 +22,7 @@ from launcher.membership import (
     from_named,
     has_quorum,
     named,
+    seats_to_report,
     settled,
 )
 from launcher.node_policy import Survivor, park_or_stop
@@ -529,6 +530,19 @@ def test_an_assign_names_each_earlier_electorate_a_successor_counts():
     assert from_named(rows) == [small, Electorate(2, 20, frozenset()),
                                 Electorate(3, 17, frozenset())]
     assert from_named(named([large, small], limit=17)) == [small, large], "oldest first"
+
+
+@pytest.mark.parametrize("seats, settled_below, reported", [
+    ([], -1, []),  # never seated
+    ([3], 5, [3]),  # the last seat always: a successor tells survivors from spares by it
+    ([1, 2, 3, 4], -1, [1, 2, 3, 4]),  # nothing said settled: every one
+    ([1, 2, 3, 4], 2, [2, 3, 4]),
+    ([1, 2, 3, 4], 4, [4]),
+    ([1, 4, 7], 5, [7]),  # (the seats it held: not every epoch had one)
+])
+def test_a_join_reports_every_seat_since_the_oldest_round_not_settled(seats, settled_below,
+                                                                      reported):
+    assert seats_to_report(seats, settled_below) == reported
 
 
 def test_no_round_closed_yet_needs_no_quorum():

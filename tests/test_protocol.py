@@ -28,6 +28,7 @@ from ftlaunch_contract.messages import (
     Successor,
 )
 from ftlaunch_contract.protocol import (
+    EPOCHS_CHECK,
     MAX_BYTES,
     ROW_CHECKS,
     SCHEMA,
@@ -48,7 +49,8 @@ SAMPLE = {int: 7, str: "node-a", (int, float): 1.5, (int, type(None)): None,
           ROW_CHECKS[Fetch]: [[6, 4, 40, "node-a", "10.0.0.1", 4100]],
           ROW_CHECKS[RankState]: [[0, 12, 40], [1, -1, -1]],
           ROW_CHECKS[NodeState]: [["node-a", 0, "running", 120]],
-          ROW_CHECKS[NodeRankState]: [["node-a", 0, 12, 40]]}
+          ROW_CHECKS[NodeRankState]: [["node-a", 0, 12, 40]],
+          EPOCHS_CHECK: [2, 3]}
 RECORDS = {cls: {name: ROWS[hint] for name, hint in get_type_hints(cls, vars(wire)).items()
                  if hint in ROWS} for cls in CONTROL.values()}
 """Each message's fields that are lists of records -> the record type."""
@@ -62,7 +64,9 @@ def body(kind: str, fields: dict) -> Body:
     """The typed message of ``kind`` (lists of records as the receiver builds them)."""
     cls = CONTROL[kind]
     fields = {**fields, **{name: tuple(record(*row) for row in fields[name])
-                           for name, record in RECORDS[cls].items()}}
+                           for name, record in RECORDS[cls].items()},
+              **{name: tuple(fields[name]) for name, check in SCHEMA[kind].items()
+                 if check is EPOCHS_CHECK}}
     return cls(**fields)
 
 
@@ -373,6 +377,7 @@ field_values = {
         st.text(max_size=20) if t is str else st.booleans() if t is bool else st.integers(0, 2**31)
         for t in get_type_hints(record).values())).map(list), max_size=5)
        for record in ROW_CHECKS},
+    EPOCHS_CHECK: st.lists(st.integers(-1, 2**31), max_size=5),
 }
 
 
@@ -413,3 +418,10 @@ def test_malformed_member_list_refused(members):
     fields = {**valid_fields("assign"), "members": members}
     with pytest.raises(ProtocolError, match="assign.members"):
         Codec(SECRET).decode(signed({**envelope(type="assign"), **fields}))
+
+
+@pytest.mark.parametrize("epochs", [3, "3", [1, True], [1.0], [None], [[1]], list(range(10_001))])
+def test_malformed_epoch_list_refused(epochs):
+    fields = {**valid_fields("join"), "seated_earlier": epochs}
+    with pytest.raises(ProtocolError, match="join.seated_earlier: malformed"):
+        Codec(SECRET).decode(signed({**envelope(type="join"), **fields}))

@@ -32,7 +32,7 @@ def _state() -> JobState:
 def _join(plane: ControlPlane, epoch: int, seated: int) -> None:
     plane.send(Join(node_id=plane.node_id, local_world_size=1, addr=plane.addr,
                     standby_port=plane.standby_port, rank_hint=-1, replica_port=0, held=(),
-                    restart_count=0, seated_before=-1, seated_epoch=seated, electorate_epoch=seated), epoch)
+                    restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=seated, electorate_epoch=seated), epoch)
 
 
 def _assigned(plane: ControlPlane, after: int, never_lost: bool = False) -> int:
@@ -347,6 +347,7 @@ def test_a_successor_counts_the_electorate_before_until_told_most_of_it_learnt_t
         if settled:
             tell(HeartbeatAck(unsettled=-1))
         assert d.earlier == (() if settled else old_round)
+        assert d.settled_below == (2 if settled else 1), "what its joins will say is settled"
         successors = [d.fail_over(2, 0, 7) for _ in range(3)]  # a, b, c silent: cut off
         assert successors == ["b", "c", "d"] and d.hosting
         others.extend(ControlPlane(ctx, SECRET, n, "127.0.0.1", ("127.0.0.1", d.standby_port),
