@@ -220,7 +220,7 @@ def main():
           "first received s | all received s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
-        with roomy_kernel():  # as root: the loopback's backlog, ports, listen queue
+        with roomy_kernel(n):  # as root, when n needs it: the loopback's backlog, ports, queue
             hb = None if args.takeover_only else bench(n, False, args.window, cpus)
             tk = bench(n, True, 0, cpus, args.connect_at_takeover)
         beats = "| - | - | - " if hb is None else (
