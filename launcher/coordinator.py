@@ -770,8 +770,8 @@ class Coordinator:
         s.phase = RoundPhase.WAITING_STORE
         replicas = self._replicas(assignments, committed)
         s.assigns, s.start = {}, None
-        earlier = tuple(EarlierVoter(*row) for row in membership.named(self._settle(), SUCCESSORS))
-        self._note_unsettled()  # before any ack follows the assigns
+        earlier = tuple(EarlierVoter(*row) for row in  # (noted before any ack follows them)
+                        membership.named(self._note_unsettled(), SUCCESSORS))
         for a in assignments:
             replicate_to, fetch = replicas[a.node_id]
             s.assigns[a.node_id] = Assign(
@@ -939,12 +939,14 @@ class Coordinator:
         s.reported = {}  # (counted in now)
         return s.earlier
 
-    def _note_unsettled(self) -> None:
+    def _note_unsettled(self) -> list[membership.Electorate]:
         """What heartbeat acks say: the epoch of the oldest earlier electorate not settled
         yet, -1 if none (an agent then forgets those its assign named before it: a successor
-        counts no settled one). Found once a tick and at each close, not per ack (O(voters))."""
+        counts no settled one). Found once a tick and at each close, not per ack (O(voters)).
+        The earlier electorates not settled, as _settle."""
         earlier = self._settle()
         self._unsettled = earlier[0].epoch if earlier else -1
+        return earlier
 
     def _seated(self, node: str, epochs: tuple[int, ...], settled_below: int) -> None:
         """A node says it held a seat in the rounds of these epochs: a voter of their
