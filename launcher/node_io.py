@@ -85,7 +85,14 @@ class NodeIO:
         self.live = LiveStatus.start_if_terminal()
         self.events = EventLog(plan.log_dir / "events.jsonl",
                                self.metrics.on_event if self.metrics else None)
-        self.guard = OrphanGuard()
+        self.guard = OrphanGuard()  # (it kills the template too, should we die)
+        # First: its imports (seconds) run while the rest starts, NVML and all, and while
+        # the node joins the job.
+        self.template = RankTemplate(config.preload_modules(),
+                                     pre_import_env(plan.local_world_size), self.guard,
+                                     rank_preexec_fn()) if config.forks_ranks() else None
+        if self.template is not None:
+            self.template.start()
         self.context = zmq.Context()
         self.control = plan.control_plane(self.context)
         self.runtime = RuntimeRecord(plan.run_id, plan.node_id, plan.secret,  # ftlaunch status
@@ -105,11 +112,6 @@ class NodeIO:
             self.context, plan.secret, plan.node_id, plan.addr, self.staging_dir,
             bandwidth=config.replica_bandwidth * 1e6)
         self.workers = WorkerGroup(plan.program, plan.output, self.guard, self._rank_env)
-        self.template = RankTemplate(config.preload_modules(),
-                                     pre_import_env(plan.local_world_size), self.guard,
-                                     rank_preexec_fn()) if config.forks_ranks() else None
-        if self.template is not None:
-            self.template.start()  # it imports while the node joins the job
         self.new_store = lambda addr, port: AgentStore(addr, port, self.template)
         self.capture_stacks = stacks.capture
         self._poller = zmq.Poller()
