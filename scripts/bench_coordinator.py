@@ -48,9 +48,9 @@ def state(n):
                     last_call=30.0, join_timeout=600.0, host_node=node(0))
 
 
-def host(n, takeover, conn, cpu):
-    """The coordinator's process, alone on ``cpu``."""
-    os.sched_setaffinity(0, [cpu])
+def host(n, takeover, conn, cpus):
+    """The coordinator's process, alone on ``cpus``."""
+    os.sched_setaffinity(0, cpus)
     logging.getLogger("ftlaunch").setLevel(logging.ERROR)  # the agents' exits at the end
     sock, port = bind_router(zmq.Context(), "127.0.0.1", 0, NODE_TIMEOUT)
     s = state(n)
@@ -151,11 +151,13 @@ def answer(conn, timeout=300):
     return conn.recv()
 
 
-def bench(n, takeover, window, cpus, connect_at_takeover=False):
-    """``cpus``: the first for the coordinator, the others for the agents."""
+def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus=1):
+    """``cpus``: the first ``coordinator_cpus`` for the coordinator, the others for the
+    agents."""
     spawn = mp.get_context("spawn")
     here, there = mp.Pipe()
-    proc = spawn.Process(target=host, args=(n, takeover, there, cpus[0]), daemon=True)
+    proc = spawn.Process(target=host, args=(n, takeover, there, cpus[:coordinator_cpus]),
+                         daemon=True)
     proc.start()
     here.send("ready")
     port, thread_id = answer(here)
@@ -165,7 +167,8 @@ def bench(n, takeover, window, cpus, connect_at_takeover=False):
     for k in range(procs):
         mine, theirs = mp.Pipe()
         worker = spawn.Process(target=swarm, daemon=True, args=(
-            ids[k::procs], n, port, takeover, window, theirs, cpus[1:], connect_at_takeover))
+            ids[k::procs], n, port, takeover, window, theirs, cpus[coordinator_cpus:],
+            connect_at_takeover))
         worker.start()
         swarms.append((worker, mine))
     for _, conn in swarms:
@@ -208,10 +211,15 @@ def main():
                    help="survivors connect to the successor as they join (no connection "
                         "opened beforehand)")
     p.add_argument("--takeover-only", action="store_true", help="skip the heartbeats")
+    p.add_argument("--coordinator-cpus", type=int, default=1,
+                   help="CPUs of the coordinator's process (its thread and ZeroMQ's I/O "
+                        "thread: 2 lets them run side by side, as on a real node 0)")
     args = p.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        raise SystemExit("needs 2 CPUs: one for the coordinator, the rest for the agents")
+    if args.coordinator_cpus < 1 or len(cpus) <= args.coordinator_cpus:
+        raise SystemExit(f"needs {args.coordinator_cpus + 1} CPUs or more: "
+                         f"{args.coordinator_cpus} for the coordinator, the rest for the "
+                         f"agents (this machine lets it use {len(cpus)}); lower --coordinator-cpus")
     sizes = [int(n) for n in args.nodes.split(",")]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # the coordinator's connections,
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # two files a DEALER
@@ -221,8 +229,9 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
         with roomy_kernel(n):  # as root, when n needs it: the loopback's backlog, ports, queue
-            hb = None if args.takeover_only else bench(n, False, args.window, cpus)
-            tk = bench(n, True, 0, cpus, args.connect_at_takeover)
+            hb = None if args.takeover_only else bench(n, False, args.window, cpus,
+                                                       coordinator_cpus=args.coordinator_cpus)
+            tk = bench(n, True, 0, cpus, args.connect_at_takeover, args.coordinator_cpus)
         beats = "| - | - | - " if hb is None else (
             f"| {hb['heartbeats_per_s']:.0f} | {100 * hb['cpu']:.1f} % "
             f"({100 * hb['coordinator_thread']:.1f} + {100 * hb['zmq_io']:.1f}) | "

@@ -4,7 +4,9 @@
 # 1. the real NVML backend: every GPU's reading and findings (launcher/gpu_health.py);
 # 2. ftlaunch doctor with its NCCL smoke test;
 # 3. CUDA checkpoint staging (page-locked, asynchronous copies) round trip, timed;
-# 4. a 2-rank NCCL job that survives kill -9 of one rank (rank policy, replacement forked from the rank template).
+# 4. a 2-rank NCCL job that survives kill -9 of one rank (rank policy, replacement forked from the rank template);
+# 5. the coordinator of 16,384 nodes with cores to spare (CI's 2 cores also carry the simulated
+#    agents): its heartbeat CPU and a takeover's round, on one core and on two.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 OUT="${1:-${OUT:-/tmp/device_check}}"
@@ -43,3 +45,9 @@ TRAIN_FAULT_RANK=1 TRAIN_FAULT_STEP=30 TRAIN_FAULT_KIND=kill timeout 300 \
   scripts/train_gpt.py --shim --cuda --async-ckpt --steps 60 --ckpt-every 10 \
   --ckpt-dir "$OUT/ckpt" \
   2>&1 | grep -v " loss " | tee "$OUT/recovery.txt"
+if [ "$(nproc)" -ge 4 ]; then
+  for cpus in 1 2; do
+    timeout 300 "$PY" scripts/bench_coordinator.py --nodes 16384 --window 5 \
+      --coordinator-cpus "$cpus" 2>&1 | tee "$OUT/coordinator_16384_cpus$cpus.txt"
+  done
+fi
