@@ -220,7 +220,9 @@ class Unhealthy(Body):
 @dataclass(frozen=True, kw_only=True)
 class HeartbeatAck(Body):
     TYPE = "heartbeat_ack"
-    unsettled: int  # the oldest earlier electorate's epoch not settled yet, -1: none (see Assign)
+    # Every electorate of an epoch before this one is settled (see Assign): the oldest
+    # earlier one not settled yet, else the coordinator's own electorate's epoch.
+    settled_below: int
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -123,6 +123,9 @@ class ControlPlane:
         self.spares: Successors = ()  # the round's spares (they vote: see fail_over)
         self.electorate_epoch = -1  # the epoch members and spares came at (see Heartbeat)
         self.earlier: EarlierVoters = ()  # electorates before it not settled (see fail_over)
+        # Every electorate of an epoch before it is settled, as our coordinators said (see
+        # Join): what an assign listed, what acks say; a spare word says nothing of it.
+        self.settled_below = -1
         self._electorate_host = ""  # the coordinator that sent them: it holds that electorate
         self.coordinator_node = ""
         self.redirected = False  # we follow a redirect and have not been assigned since
@@ -246,6 +249,9 @@ class ControlPlane:
             self.members, self._lost, self._cut_off = received.body.members, set(), set()
             self.spares, self.electorate_epoch = received.body.spares, received.epoch
             self.earlier = received.body.earlier if isinstance(received.body, Assign) else ()
+            if isinstance(received.body, Assign):  # it names every one not settled before it
+                self.settled_below = min((v.epoch for v in self.earlier),
+                                         default=received.epoch)
             self.coordinator_node = received.body.coordinator_node
             self._electorate_host = self.coordinator_node
             self._takeover_due = True  # with our next heartbeat: not on the start's path
@@ -254,8 +260,9 @@ class ControlPlane:
         if isinstance(received.body, Redirect):
             self._follow(received.body)
         if isinstance(received.body, HeartbeatAck):
-            unsettled = received.body.unsettled  # the others settled: no successor counts them
-            self.earlier = tuple(v for v in self.earlier if 0 <= unsettled <= v.epoch)
+            settled_below = received.body.settled_below  # no successor counts those
+            self.earlier = tuple(v for v in self.earlier if v.epoch >= settled_below)
+            self.settled_below = max(self.settled_below, settled_below)
             return None
         return received
 
@@ -444,12 +451,6 @@ class ControlPlane:
         self._down.clear()
         self._died = False
         self._drop_probe()
-
-    @property
-    def settled_below(self) -> int:
-        """Every electorate of an epoch before this one is settled, as our coordinator said:
-        its assign listed the unsettled ones, its acks say which still are (see Join)."""
-        return min((v.epoch for v in self.earlier), default=self.electorate_epoch)
 
     @property
     def knows_successors(self) -> bool:

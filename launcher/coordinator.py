@@ -251,7 +251,7 @@ class Coordinator:
         self._announcement = announce[1] if announce else None
         self._rounds = 0  # rounds this coordinator formed
         self._said_short = False  # held for a quorum: said so, for the round forming
-        self._unsettled = -1  # what heartbeat acks say (see _note_unsettled)
+        self._settled_below = -1  # what heartbeat acks say (see _note_unsettled)
         self._pace = pace(state.max_nodes)
         for endpoint in announce[0] if announce else ():
             announcer = sock.context.socket(zmq.DEALER)
@@ -509,7 +509,7 @@ class Coordinator:
                 next_beat = now + (now - beat)  # as far off as this one
                 if next_beat - acked > self._ack_within():
                     acked = now
-                    self._send(identity, HeartbeatAck(unsettled=self._unsettled))
+                    self._send(identity, HeartbeatAck(settled_below=self._settled_below))
                 self._beats[identity] = (acked, now)
             else:  # declared lost but alive (it froze, or the network healed): come back in
                 self._send(identity, Recover(
@@ -940,12 +940,14 @@ class Coordinator:
         return s.earlier
 
     def _note_unsettled(self) -> list[membership.Electorate]:
-        """What heartbeat acks say: the epoch of the oldest earlier electorate not settled
-        yet, -1 if none (an agent then forgets those its assign named before it: a successor
-        counts no settled one). Found once a tick and at each close, not per ack (O(voters)).
-        The earlier electorates not settled, as _settle."""
+        """What heartbeat acks say: every electorate before this epoch is settled, the
+        oldest earlier one's that is not, else our own electorate's (an agent then forgets
+        those its assign named before it: a successor counts no settled one). Said of
+        epochs, not of what the agent was told: a successor behind it (an assign it missed)
+        claims nothing of rounds it never heard of. Found once a tick and at each close,
+        not per ack (O(voters)). The earlier electorates not settled, as _settle."""
         earlier = self._settle()
-        self._unsettled = earlier[0].epoch if earlier else -1
+        self._settled_below = earlier[0].epoch if earlier else self._state.electorate_epoch
         return earlier
 
     def _seated(self, node: str, epochs: tuple[int, ...], settled_below: int) -> None:

@@ -309,6 +309,38 @@ def test_a_healed_node_forgets_the_coordinators_it_took_for_lost_once_the_job_sp
         ctx.destroy(linger=0)
 
 
+def test_what_an_agent_says_is_settled_comes_from_assigns_and_acks_never_a_spare_word():
+    """A join's settled_below is what coordinators said: an assign names every electorate
+    before it not settled, an ack says below which epoch all are. A spare word names none:
+    it must claim nothing (a successor would stop counting a round not settled)."""
+    from ftlaunch_contract.messages import EarlierVoter, HeartbeatAck
+
+    ctx = zmq.Context()
+    job = ctx.socket(zmq.ROUTER)
+    job.setsockopt(zmq.LINGER, 0)
+    port = job.bind_to_random_port("tcp://127.0.0.1")
+    plane = ControlPlane(ctx, SECRET, "d", "127.0.0.1", ("127.0.0.1", port), _state,
+                         NODE_TIMEOUT, 0.5)
+    try:
+        assert plane.settled_below == -1, "told nothing yet"
+        _told(plane, job, CONTROL["assign"](
+            group_rank=1, group_world_size=2, rank_offset=1, world_size=2, restart_count=0,
+            max_restarts=3, members=(), spares=(), coordinator_node="a", replicate_to=(),
+            fetch=(), earlier=(EarlierVoter(3, 3, "a", False), EarlierVoter(5, 2, "a", False))),
+            7)
+        assert plane.settled_below == 3, "the oldest round its assign named"
+        _told(plane, job, CONTROL["spare"](coordinator_node="a", members=(), spares=()), 9)
+        assert plane.settled_below == 3, "a spare word names no round before it"
+        _told(plane, job, HeartbeatAck(settled_below=5), 9)
+        assert (plane.settled_below, [v.epoch for v in plane.earlier]) == (5, [])
+        _told(plane, job, HeartbeatAck(settled_below=4), 9)  # (a successor that knows less)
+        assert plane.settled_below == 5, "what was said settled stays so"
+    finally:
+        plane.close()
+        job.close()
+        ctx.destroy(linger=0)
+
+
 @pytest.mark.parametrize("settled", [False, True], ids=["unsettled", "settled"])
 def test_a_successor_counts_the_electorate_before_until_told_most_of_it_learnt_the_new(settled):
     """a, b and c scaled up to seven; a's assigns reached d, e, f and g, not b and c (cut
@@ -345,7 +377,7 @@ def test_a_successor_counts_the_electorate_before_until_told_most_of_it_learnt_t
                                earlier=old_round, coordinator_node="a", replicate_to=(),
                                fetch=()))
         if settled:
-            tell(HeartbeatAck(unsettled=-1))
+            tell(HeartbeatAck(settled_below=2))  # (the round of the assign's is the oldest)
         assert d.earlier == (() if settled else old_round)
         assert d.settled_below == (2 if settled else 1), "what its joins will say is settled"
         successors = [d.fail_over(2, 0, 7) for _ in range(3)]  # a, b, c silent: cut off
