@@ -26,7 +26,7 @@ from launcher.orphan_guard import OrphanGuard
 
 DEFAULT_PRELOAD = ("torch,torch.distributed,torch.nn.parallel,torch.optim,torch._dynamo,"
                    "torch.distributed.elastic.multiprocessing.errors")
-"""torch._dynamo is what the first ``optimizer.step()`` imports lazily (about 2 s here)."""
+"""torch._dynamo is what the first ``optimizer.step()`` imports lazily (most of a second here)."""
 
 REPLY_TIMEOUT = 10.0  # a ready template answers a fork order in milliseconds
 EXIT_REPORT_TIMEOUT = 5.0  # between a rank's exit and the template's report of it
