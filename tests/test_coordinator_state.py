@@ -558,6 +558,20 @@ def test_a_takeovers_survivors_not_named_by_the_assign_keep_their_seats():
     assert sorted(state.group_ranks) == [*nodes[1:], "s1"], "s2 waits; no survivor dropped"
 
 
+def _large_takeover(nodes: list[str], epoch: int, **fields) -> Coordinator:
+    """n01's coordinator, taking over ``nodes``' job from n00 at ``epoch`` as
+    ControlPlane.fail_over starts it: it knows the 16 first by name, counts the others."""
+    named = nodes[:coordinator_module.SUCCESSORS]
+    state = JobState(min_nodes=1, max_nodes=len(nodes), max_restarts=3, policy="job",
+                     backoff=0.0, backoff_max=1.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=1.0, join_timeout=60.0, host_node="n01", joining_since=1.0,
+                     epoch=epoch, expected_count=len(nodes) - 1, electorate=len(nodes),
+                     electorate_epoch=epoch, voters=set(named), **fields)
+    for rank, node in enumerate(named[1:], start=1):
+        state.group_ranks[node], state.standby_ports[node], state.last_seen[node] = rank, 4000, 1.0
+    return Coordinator(CapturingSocket(), SECRET, state, "coordinator node n00 lost")
+
+
 def test_the_round_after_a_large_takeover_counts_the_survivors_that_said_they_held_seats():
     """40 nodes lose the coordinator's: its successor knows 16 by name (the assign's) and the
     others by their joins, which say they held a seat in the last round. The round after
@@ -565,15 +579,8 @@ def test_the_round_after_a_large_takeover_counts_the_survivors_that_said_they_he
     new one: by all 39 survivors, not by the 16 names (15 of 40 back: held until the join
     timeout, the job lost)."""
     nodes = [f"n{i:02}" for i in range(40)]
-    named = nodes[:coordinator_module.SUCCESSORS]
-    state = JobState(min_nodes=1, max_nodes=40, max_restarts=3, policy="job", backoff=0.0,
-                     backoff_max=1.0, exit_barrier_timeout=30.0, node_timeout=5.0,
-                     last_call=1.0, join_timeout=60.0, host_node="n01", joining_since=1.0,
-                     epoch=3, expected_count=39, electorate=40, electorate_epoch=3,
-                     voters=set(named), gone={"n00"})  # what ControlPlane.fail_over sets
-    for rank, node in enumerate(named[1:], start=1):
-        state.group_ranks[node], state.standby_ports[node], state.last_seen[node] = rank, 4000, 1.0
-    coordinator = Coordinator(CapturingSocket(), SECRET, state, "coordinator node n00 lost")
+    coordinator = _large_takeover(nodes, 3, gone={"n00"})
+    state = coordinator._state
     for node in nodes[1:]:
         _join_round(coordinator, node, seated_epoch=3, now=1.2)
     coordinator._tick(2.5)
@@ -602,16 +609,9 @@ def test_a_large_jobs_successor_counts_the_round_before_by_the_seats_its_nodes_r
     from launcher.membership import Electorate
 
     old, new = [f"n{i:02}" for i in range(20)], [f"n{i:02}" for i in range(20, 41)]
-    named = old[:coordinator_module.SUCCESSORS]
-    state = JobState(min_nodes=1, max_nodes=41, max_restarts=3, policy="job", backoff=0.0,
-                     backoff_max=1.0, exit_barrier_timeout=30.0, node_timeout=5.0,
-                     last_call=1.0, join_timeout=60.0, host_node="n01", joining_since=1.0,
-                     epoch=3, expected_count=40, electorate=41, electorate_epoch=3,
-                     voters=set(named), wins_tie=False,  # n00 silent: cut off, maybe alive
-                     earlier=[Electorate(2, 20, frozenset())])  # what fail_over sets
-    for rank, node in enumerate(named[1:], start=1):
-        state.group_ranks[node], state.standby_ports[node], state.last_seen[node] = rank, 4000, 1.0
-    coordinator = Coordinator(CapturingSocket(), SECRET, state, "coordinator node n00 lost")
+    coordinator = _large_takeover([*old, *new], 3, wins_tie=False,  # n00 silent: cut off
+                                  earlier=[Electorate(2, 20, frozenset())])
+    state = coordinator._state
     back = old[1:] if old_side_back else old[1:6]
     with caplog.at_level(logging.WARNING, logger="ftlaunch.coordinator"):
         for node in back:
@@ -643,16 +643,10 @@ def test_a_large_jobs_successor_counts_each_earlier_round_its_nodes_report(joins
     from launcher.membership import Electorate
 
     nodes = [f"n{i:02}" for i in range(22)]
-    named = nodes[:coordinator_module.SUCCESSORS]
-    state = JobState(min_nodes=1, max_nodes=22, max_restarts=3, policy="job", backoff=0.0,
-                     backoff_max=1.0, exit_barrier_timeout=30.0, node_timeout=5.0,
-                     last_call=1.0, join_timeout=60.0, host_node="n01", joining_since=1.0,
-                     epoch=4, expected_count=21, electorate=22, electorate_epoch=4,
-                     voters=set(named), wins_tie=False,  # n00 silent: cut off, maybe alive
-                     earlier=[Electorate(2, 20, frozenset()), Electorate(3, 21, frozenset())])
-    for rank, node in enumerate(named[1:], start=1):
-        state.group_ranks[node], state.standby_ports[node], state.last_seen[node] = rank, 4000, 1.0
-    coordinator = Coordinator(CapturingSocket(), SECRET, state, "coordinator node n00 lost")
+    coordinator = _large_takeover(nodes, 4, wins_tie=False,  # n00 silent: cut off
+                                  earlier=[Electorate(2, 20, frozenset()),
+                                           Electorate(3, 21, frozenset())])
+    state = coordinator._state
     with caplog.at_level(logging.WARNING, logger="ftlaunch.coordinator"):
         for i, node in enumerate(nodes[1:], start=1):
             seats = [e for e, size in ((2, 20), (3, 21)) if i < size]  # n20 came at 3, n21 at 4

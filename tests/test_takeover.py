@@ -51,6 +51,13 @@ def _assigned(plane: ControlPlane, after: int, never_lost: bool = False) -> int:
     raise AssertionError(f"{plane.node_id} got no assign")
 
 
+def _router(ctx: zmq.Context) -> tuple[zmq.Socket, int]:
+    """A ROUTER standing for the job's coordinators, on a free port."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock, sock.bind_to_random_port("tcp://127.0.0.1")
+
+
 def _told(plane: ControlPlane, job: zmq.Socket, msg, epoch: int) -> None:
     """``job`` (a ROUTER standing for the job's coordinators) sends ``msg`` to ``plane``,
     which reads it (a heartbeat first: the ROUTER learns its identity)."""
@@ -243,9 +250,7 @@ def test_a_join_lost_with_the_successors_connection_goes_out_again_ahead_of_hear
 
     ctx = zmq.Context()
     codec = Codec(SECRET)
-    successor = ctx.socket(zmq.ROUTER)
-    successor.setsockopt(zmq.LINGER, 0)
-    port = successor.bind_to_random_port("tcp://127.0.0.1")
+    successor, port = _router(ctx)
     spare = ControlPlane(ctx, SECRET, "node-c:1", "127.0.0.1", ("127.0.0.1", port), _state,
                          NODE_TIMEOUT, 0.2)
     try:
@@ -281,9 +286,7 @@ def test_a_healed_node_forgets_the_coordinators_it_took_for_lost_once_the_job_sp
     from ftlaunch_contract.messages import Successor
 
     ctx = zmq.Context()
-    job = ctx.socket(zmq.ROUTER)  # every coordinator and standby of the job, as one socket
-    job.setsockopt(zmq.LINGER, 0)
-    port = job.bind_to_random_port("tcp://127.0.0.1")
+    job, port = _router(ctx)  # every coordinator and standby of the job, as one socket
     b = ControlPlane(ctx, SECRET, "b", "127.0.0.1", ("127.0.0.1", port), _state,
                      NODE_TIMEOUT, 0.5)
 
@@ -316,9 +319,7 @@ def test_what_an_agent_says_is_settled_comes_from_assigns_and_acks_never_a_spare
     from ftlaunch_contract.messages import EarlierVoter, HeartbeatAck
 
     ctx = zmq.Context()
-    job = ctx.socket(zmq.ROUTER)
-    job.setsockopt(zmq.LINGER, 0)
-    port = job.bind_to_random_port("tcp://127.0.0.1")
+    job, port = _router(ctx)
     plane = ControlPlane(ctx, SECRET, "d", "127.0.0.1", ("127.0.0.1", port), _state,
                          NODE_TIMEOUT, 0.5)
     try:
@@ -357,9 +358,7 @@ def test_a_successor_counts_the_electorate_before_until_told_most_of_it_learnt_t
                         last_call=0.2, join_timeout=60.0, host_node="")
 
     ctx = zmq.Context()
-    job = ctx.socket(zmq.ROUTER)  # a, b and c, as one socket
-    job.setsockopt(zmq.LINGER, 0)
-    port = job.bind_to_random_port("tcp://127.0.0.1")
+    job, port = _router(ctx)  # a, b and c, as one socket
     d = ControlPlane(ctx, SECRET, "d", "127.0.0.1", ("127.0.0.1", port), seven, NODE_TIMEOUT,
                      0.5)
     others: list[ControlPlane] = []
