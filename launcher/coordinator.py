@@ -957,7 +957,8 @@ class Coordinator:
         It reports those since the oldest it was told is not settled; what a coordinator
         told it is settled stays so (most of it learnt better), and is counted no more."""
         s = self._state
-        s.earlier = [e for e in s.earlier if e.epoch >= settled_below]
+        if s.earlier and s.earlier[0].epoch < settled_below:  # (oldest first; rarely so)
+            s.earlier = [e for e in s.earlier if e.epoch >= settled_below]
         for e in s.earlier:
             if e.epoch in epochs and node not in e.voters:
                 s.reported.setdefault(e.epoch, set()).add(node)
