@@ -248,8 +248,9 @@ class ControlPlane:
             # passed over the live successor and, finding none, failed).
             self.members, self._lost, self._cut_off = received.body.members, set(), set()
             self.spares, self.electorate_epoch = received.body.spares, received.epoch
-            self.earlier = received.body.earlier if isinstance(received.body, Assign) else ()
+            self.earlier = ()
             if isinstance(received.body, Assign):  # it names every one not settled before it
+                self.earlier = received.body.earlier
                 self.settled_below = min((v.epoch for v in self.earlier),
                                          default=received.epoch)
             self.coordinator_node = received.body.coordinator_node

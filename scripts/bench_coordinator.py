@@ -48,11 +48,12 @@ def state(n):
                     last_call=30.0, join_timeout=600.0, host_node=node(0))
 
 
-def host(n, takeover, conn, cpus):
-    """The coordinator's process, alone on ``cpus``."""
+def host(n, takeover, conn, cpus, io_threads=1):
+    """The coordinator's process, alone on ``cpus``, with ``io_threads`` ZeroMQ I/O threads
+    (each accepted connection is served by the least loaded one)."""
     os.sched_setaffinity(0, cpus)
     logging.getLogger("ftlaunch").setLevel(logging.ERROR)  # the agents' exits at the end
-    sock, port = bind_router(zmq.Context(), "127.0.0.1", 0, NODE_TIMEOUT)
+    sock, port = bind_router(zmq.Context(io_threads=io_threads), "127.0.0.1", 0, NODE_TIMEOUT)
     s = state(n)
     now = time.monotonic()
     if takeover:  # what fail_over gives it: the named successors, how many survived
@@ -151,13 +152,14 @@ def answer(conn, timeout=300):
     return conn.recv()
 
 
-def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus=1):
+def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus=1,
+          io_threads=1):
     """``cpus``: the first ``coordinator_cpus`` for the coordinator, the others for the
     agents."""
     spawn = mp.get_context("spawn")
     here, there = mp.Pipe()
-    proc = spawn.Process(target=host, args=(n, takeover, there, cpus[:coordinator_cpus]),
-                         daemon=True)
+    proc = spawn.Process(target=host, daemon=True,
+                         args=(n, takeover, there, cpus[:coordinator_cpus], io_threads))
     proc.start()
     here.send("ready")
     port, thread_id = answer(here)
@@ -214,6 +216,9 @@ def main():
     p.add_argument("--coordinator-cpus", type=int, default=1,
                    help="CPUs of the coordinator's process (its thread and ZeroMQ's I/O "
                         "thread: 2 lets them run side by side, as on a real node 0)")
+    p.add_argument("--io-threads", type=int, default=1,
+                   help="ZeroMQ I/O threads of the coordinator's context (the launcher's: 1); "
+                        "more spread a takeover's writes over more cores")
     args = p.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     if args.coordinator_cpus < 1 or len(cpus) <= args.coordinator_cpus:
@@ -230,8 +235,10 @@ def main():
     for n in sizes:
         with roomy_kernel(n):  # as root, when n needs it: the loopback's backlog, ports, queue
             hb = None if args.takeover_only else bench(n, False, args.window, cpus,
-                                                       coordinator_cpus=args.coordinator_cpus)
-            tk = bench(n, True, 0, cpus, args.connect_at_takeover, args.coordinator_cpus)
+                                                       coordinator_cpus=args.coordinator_cpus,
+                                                       io_threads=args.io_threads)
+            tk = bench(n, True, 0, cpus, args.connect_at_takeover, args.coordinator_cpus,
+                       args.io_threads)
         beats = "| - | - | - " if hb is None else (
             f"| {hb['heartbeats_per_s']:.0f} | {100 * hb['cpu']:.1f} % "
             f"({100 * hb['coordinator_thread']:.1f} + {100 * hb['zmq_io']:.1f}) | "

@@ -6,7 +6,8 @@
 # 3. CUDA checkpoint staging (page-locked, asynchronous copies) round trip, timed;
 # 4. a 2-rank NCCL job that survives kill -9 of one rank (rank policy, replacement forked from the rank template);
 # 5. the coordinator of 16,384 nodes with cores to spare (CI's 2 cores also carry the simulated
-#    agents): its heartbeat CPU and a takeover's round, on one core and on two.
+#    agents): its heartbeat CPU and a takeover's round, on one core, on two, and on four with
+#    three ZeroMQ I/O threads (do more I/O threads spread a takeover's 16,383 writes?).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 OUT="${1:-${OUT:-/tmp/device_check}}"
@@ -45,9 +46,11 @@ TRAIN_FAULT_RANK=1 TRAIN_FAULT_STEP=30 TRAIN_FAULT_KIND=kill timeout 300 \
   scripts/train_gpt.py --shim --cuda --async-ckpt --steps 60 --ckpt-every 10 \
   --ckpt-dir "$OUT/ckpt" \
   2>&1 | grep -v " loss " | tee "$OUT/recovery.txt"
-if [ "$(nproc)" -ge 4 ]; then
-  for cpus in 1 2; do
+if [ "$(nproc)" -ge 8 ]; then
+  for shape in 1:1 2:1 4:3; do  # coordinator CPUs : I/O threads
+    cpus="${shape%:*}" io="${shape#*:}"
     timeout 300 "$PY" scripts/bench_coordinator.py --nodes 16384 --window 5 \
-      --coordinator-cpus "$cpus" 2>&1 | tee "$OUT/coordinator_16384_cpus$cpus.txt"
+      --coordinator-cpus "$cpus" --io-threads "$io" 2>&1 \
+      | tee "$OUT/coordinator_16384_cpus${cpus}_io$io.txt"
   done
 fi

@@ -71,9 +71,11 @@ def test_goodput_counts_an_attempts_first_step_from_its_start_line():
 def test_the_coordinator_bench_runs_its_smallest_job_through():
     """bench_coordinator.py drives a real Coordinator through private hooks (a timing
     wrapper around _complete_round): one that drifted from the code broke the bench
-    unseen for a day. 32 agents, one second of heartbeats and a takeover."""
+    unseen for a day. 32 agents, one second of heartbeats and a takeover, two I/O threads
+    (the device check's shape)."""
     done = subprocess.run([sys.executable, str(SCRIPTS / "bench_coordinator.py"), "--nodes", "32",
-                           "--window", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           "--window", "1", "--io-threads", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| 32 | " in done.stdout and "Traceback" not in done.stderr, done.stderr[-2000:]
 
