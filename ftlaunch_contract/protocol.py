@@ -12,6 +12,7 @@ import hmac
 import itertools
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
@@ -36,16 +37,19 @@ def _rows(record: type[tuple[Any, ...]]) -> Any:
     """A list of ``record``s, each a list of its fields' types (an int is never a bool)."""
     types = list(get_type_hints(record).values())
 
-    last_ok: list[Any] = [None]  # an assign's 16 successors go out N times a round, unchanged
+    # An assign's members and spares (both of Successors) go out N times a round, unchanged:
+    # the last few checked, held so that `is` cannot meet a new object at a freed address.
+    recent: deque[Any] = deque(maxlen=4)
 
     def check(value: Any) -> bool:
-        if value is last_ok[0]:  # a tuple of tuples of ints and strs: immutable, checked
-            return True
+        for seen in recent:
+            if value is seen:  # a tuple of tuples of ints and strs: immutable, checked
+                return True
         ok = isinstance(value, (list, tuple)) and len(value) <= 100_000 and all(
             isinstance(row, (list, tuple)) and len(row) == len(types)
             and all(type(v) is t for v, t in zip(row, types, strict=True)) for row in value)
-        if ok and type(value) is tuple and all(type(row) is not list for row in value):
-            last_ok[0] = value
+        if ok and value and type(value) is tuple and all(type(row) is not list for row in value):
+            recent.append(value)
         return ok
     return check
 
