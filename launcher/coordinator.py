@@ -743,6 +743,9 @@ class Coordinator:
             voters = frozenset(s.voters | s.back)
             self._settle().append(membership.Electorate(s.electorate_epoch, s.electorate, voters,
                                                        frozenset(s.gone & voters)))
+        # Who trains nowhere stays so for every round it voted on (chaos seed 2701: a voter of
+        # one not settled, known gone only while this round formed, held the next round).
+        s.earlier = [replace(e, gone=e.gone | (s.gone & e.voters)) for e in s.earlier]
         s.epoch += 1
         s.expected_count = 0
         s.back, s.heard, s.gone, s.wins_tie = set(), set(), set(), True

@@ -19,7 +19,7 @@ from ftlaunch_contract.protocol import Codec, Envelope
 from launcher import coordinator as coordinator_module
 from launcher import exit_codes
 from launcher.coordinator import FOLLOWED_QUIET, Coordinator, JobState
-from launcher.membership import has_quorum
+from launcher.membership import Electorate, has_quorum
 from launcher.peer_probe import Verdict
 
 SECRET = b"k" * 32
@@ -974,6 +974,38 @@ def test_a_successor_with_the_rounds_spare_has_a_majority(spare_with_us):
         _join_round(coordinator, "s", seated_epoch=-1, now=now)
     coordinator._tick(now + 1.0)
     assert (state.phase == "joining") is not spare_with_us
+
+
+def test_an_earlier_rounds_node_that_died_counts_gone_in_every_round_after(caplog):
+    """Chaos seed 2701 (1:2, FSDP): a's round of epoch 1 on a and b never settles (a died
+    before it learnt the next). b took over with s, then died too; s takes over, its round
+    of epoch 3 closes with t (a and b gone, none away). A rank restart then opens another
+    round: b's death, learnt as the last round closed, must still count there, else the
+    round waits for b as if it might train behind a partition, and the job fails."""
+    import logging
+
+    state = JobState(min_nodes=1, max_nodes=2, max_restarts=5, policy="rank", backoff=0.0,
+                     backoff_max=0.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=0.5, join_timeout=60.0, host_node="s", joining_since=0.0,
+                     epoch=2, group_ranks={"s": 1}, expected_count=1, electorate=3,
+                     electorate_epoch=2, voters={"b", "s", "t"}, gone={"b"}, wins_tie=True,
+                     earlier=[Electorate(1, 2, frozenset("ab"), frozenset("a"))])
+    coordinator = Coordinator(CapturingSocket(), SECRET, state, takeover_cause="b lost")
+    _join_round(coordinator, "s", seated_epoch=2, now=1.0)
+    _join_round(coordinator, "t", seated_epoch=-1, now=1.0, electorate_epoch=2)
+    _silent_but(coordinator, "st", 1.6)
+    _running(coordinator)
+    assert state.epoch == 3 and sorted(state.group_ranks) == ["s", "t"]
+    assert [e.epoch for e in state.earlier] == [1, 2], "a and b never learnt epoch 3"
+    coordinator._recover_from("rank 0 (node s) hung", 2.0)
+    with caplog.at_level(logging.WARNING, logger="ftlaunch.coordinator"):
+        for node in "st":
+            _join_round(coordinator, node, seated_epoch=3, now=2.1)
+        _silent_but(coordinator, "st", 2.7)
+    assert "round held" not in caplog.text
+    assert state.epoch == 4 and state.phase == "waiting_store"
+    assert {(v.epoch, v.node_id, v.gone) for v in state.assigns["t"].earlier} >= {
+        (1, "a", True), (1, "b", True)}, "its successor is told b is gone too"
 
 
 def _beat(coordinator: Coordinator, node: str, electorate_epoch: int, now: float) -> None:
