@@ -279,8 +279,9 @@ def test_network_kinds_are_left_out_with_a_reason_where_namespaces_cannot_be_bui
     ["--seed", "3", "--faults", "4", "--nodes", "1", "--nproc", "2",
      "--kinds", "kill,segv,exception,stop,writer,disk", "--overlap-ckpt"],  # segv, exception,
     # disk, writer; the saves overlapped with training
-    ["--seed", "23", "--faults", "4", "--nodes", "2", "--nproc", "1", "--fsdp",
-     "--kinds", "exception,spin,node,coordinator,sigterm"],  # node, exception, coordinator, sigterm
+    ["--seed", "110", "--faults", "4", "--nodes", "2", "--nproc", "1", "--fsdp",
+     "--kinds", "exception,spin,node,coordinator,sigterm"],  # coordinator twice, node, sigterm
+    # (the round after two coordinator losses waited for a dead node until f1771ef)
 ], ids=["one-node-ddp", "two-nodes-fsdp"])
 def test_a_seeded_campaign_holds_every_invariant(tmp_path, args):
     """The real thing: the runner's job under ftlaunch with faults of most kinds drawn by
