@@ -106,6 +106,7 @@ class NodeIO:
                                    for sig in config.signals()}
         self.health, why = HealthMonitor.start(config.health_interval)
         self.events.emit("gpu_health_monitor", why, active=self.health is not None)
+        self._job_key = plan.job_key
         self.staging_dir = staging.create_dir(plan.job_key)  # staging that outlives ranks
         self.hub = RankHub(self.context, self.staging_dir)
         self.replicas = replica_service.ReplicaService(
@@ -173,7 +174,10 @@ class NodeIO:
 
     def _persist_staged(self) -> None:
         """The ranks are gone: make durable what they staged but did not write (a rank
-        killed mid-write, a preempted job, saves staged only), then free the memory."""
+        killed mid-write, a preempted job, saves staged only), then free the memory. With
+        ours, what agents of the job SIGKILLed on this host since we started left (no agent
+        started here after them to adopt it: it would outlive the job)."""
+        staging.adopt_stale(self.staging_dir, self._job_key)
         written = staging.flush(self.staging_dir)
         if written:
             steps = sorted({step for _, step in written})

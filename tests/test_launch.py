@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -169,6 +170,30 @@ def test_agent_sigkill_leaves_no_orphan(tmp_path, launch, launcher_env):
     run.proc.kill()
     run.finish()
     assert wait_no_tagged(launcher_env["FTLAUNCH_TEST_TAG"]) == []  # ranks and their `sleep`s
+
+
+def test_staging_a_killed_agent_of_the_job_left_on_this_host_is_freed_when_the_job_ends(
+        tmp_path, launch):
+    """An agent of the job SIGKILLed on this host while the job runs (its node lost, no
+    agent started here after it) leaves its staging in /dev/shm: the agent that ends the
+    job adopts it (persisting what it staged) and frees it. (Chaos seed 110 before f1771ef:
+    a job that failed after a node loss left it.)"""
+    script = _write(tmp_path / "leave.py", """
+        import os, subprocess
+        from pathlib import Path
+        mine = Path(os.environ["FTLAUNCH_STAGING"])
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        left = mine.parent / f"ftlaunch-staging-{dead.pid}-killed"
+        left.mkdir()
+        (left / ".job").write_text((mine / ".job").read_text())
+        (left / "rank_0.0.data").write_bytes(b"staged")
+        print("left", left, flush=True)
+    """)
+    run = launch("--standalone", "--nproc-per-node", "1", script)
+    assert run.finish() == 0, run.output
+    left = re.search(r"left (\S+)", run.output)
+    assert left and not os.path.exists(left.group(1)), run.output
 
 
 def test_module_mode(tmp_path, launch):
