@@ -81,9 +81,10 @@ def has_quorum(electorate: int, here: int, gone: int, wins_tie: bool) -> bool:
     excluded): the side with more of the last round than may be on the other goes on, a tie
     to the side that holds it (the coordinator that ran the round; its successor only if that
     one died). Two sides of one partition never both close a round, and one failure at a time
-    never stops the side that ran it. No electorate (no round closed yet): any round."""
+    never stops the side that ran it. No electorate (no round closed yet), or every node of
+    it gone (an earlier round whose nodes all died: none counts by it anywhere): any round."""
     away = electorate - here - gone
-    return not electorate or here > away or (here == away and wins_tie)
+    return not electorate or here > away or (here == away and (wins_tie or not away))
 
 
 @dataclass(frozen=True)

@@ -1008,6 +1008,24 @@ def test_an_earlier_rounds_node_that_died_counts_gone_in_every_round_after(caplo
         (1, "a", True), (1, "b", True)}, "its successor is told b is gone too"
 
 
+def test_an_earlier_round_whose_nodes_all_died_holds_no_successor_back():
+    """After the test above, s's machine goes silent and t takes over (the tie is not its:
+    s may train on). t and the spare u are two of the last round's three: a majority. The
+    round of epoch 1 (a and b, both dead) is not settled and never will be; none of it can
+    count by it anywhere, so it must not hold t's round as a tie t does not win."""
+    state = JobState(min_nodes=1, max_nodes=2, max_restarts=5, policy="rank", backoff=0.0,
+                     backoff_max=0.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=0.5, join_timeout=60.0, host_node="t", joining_since=0.0,
+                     epoch=3, group_ranks={"t": 1}, expected_count=1, electorate=3,
+                     electorate_epoch=3, voters={"s", "t", "u"}, wins_tie=False,
+                     earlier=[Electorate(1, 2, frozenset("ab"), frozenset("ab"))])
+    coordinator = Coordinator(CapturingSocket(), SECRET, state, takeover_cause="s lost")
+    _join_round(coordinator, "t", seated_epoch=3, now=1.0)
+    _join_round(coordinator, "u", seated_epoch=-1, now=1.0, electorate_epoch=3)
+    _silent_but(coordinator, "tu", 1.6)
+    assert state.phase == "waiting_store" and sorted(state.group_ranks) == ["t", "u"]
+
+
 def _beat(coordinator: Coordinator, node: str, electorate_epoch: int, now: float) -> None:
     coordinator._handle(node.encode(), Envelope(coordinator._state.epoch, CONTROL["heartbeat"](
         node_id=node, phase="running", ranks=(), electorate_epoch=electorate_epoch)), now)

@@ -547,3 +547,10 @@ def test_a_join_reports_every_seat_since_the_oldest_round_not_settled(seats, set
 
 def test_no_round_closed_yet_needs_no_quorum():
     assert has_quorum(0, 0, 0, wins_tie=False)
+
+
+def test_a_round_whose_nodes_all_died_needs_no_quorum():
+    """None of it can count by it anywhere: no tie to win (an earlier round of two
+    coordinators lost one after the other)."""
+    assert has_quorum(2, 0, 2, wins_tie=False)
+    assert not has_quorum(3, 0, 2, wins_tie=True), "one may be alive elsewhere"
