@@ -301,19 +301,20 @@ STRANDED = re.compile(r"FAIL completes: after the heal: \['node\d:\d+ neither re
 @pytest.mark.skipif(chaos.netns.missing_requirements() is not None,
                     reason=f"network faults: {chaos.netns.missing_requirements()}")
 def test_a_seeded_campaign_with_partitions_and_loss_holds_every_invariant(tmp_path):
-    """2 nodes + spare in network namespaces: a node cut off past the node timeout and
-    healed (one recovery; it must re-join or leave), then the coordinator's own node cut
-    off (the others fail over; healed, it must follow them), 10% loss on a node for 3 s (no
-    recovery), then the coordinator's node lost."""
-    args = ["--seed", "313", "--faults", "4", "--nodes", "2", "--nproc", "1", "--kinds",
+    """2 nodes + spare in network namespaces: the coordinator's node lost twice in a row,
+    then its own node cut off (the others fail over, the tie not theirs; healed, it must
+    follow them; the first round, whose nodes both died, held them until 729e115), 10% loss
+    on a node for 3 s (no recovery), then a node cut off past the node timeout and healed
+    (one recovery; it must re-join or leave)."""
+    args = ["--seed", "27116", "--faults", "5", "--nodes", "2", "--nproc", "1", "--kinds",
             "kill,exception,partition,loss,node,coordinator,segv,coordinator-partition"]
     done = subprocess.run([sys.executable, str(SCRIPTS / "chaos.py"), *args,
                            "--work", str(tmp_path / "run")], cwd=ROOT, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     out = done.stdout + done.stderr
-    assert re.search(r"faults: partition@12 coordinator-partition@24 loss@36 \(10% on "
-                     r"node\d:\d+, [1-9]\d* packets dropped\) coordinator@48$", out,
-                     re.MULTILINE), out
+    assert re.search(r"faults: coordinator@12 coordinator@24 coordinator-partition@36 "
+                     r"loss@48 \(10% on node\d:\d+, [1-9]\d* packets dropped\) partition@60$",
+                     out, re.MULTILINE), out
     assert not STRANDED.search(out), "a healed node must re-join (or leave)"
     assert done.returncode == 0, out
     assert done.stdout.count("  ok   ") == len(chaos.INVARIANTS), out
