@@ -250,6 +250,7 @@ class Coordinator:
         self._announcers: dict[zmq.Socket, str] = {}  # to each endpoint, a socket
         self._announcement = announce[1] if announce else None
         self._rounds = 0  # rounds this coordinator formed
+        self._took_over = takeover_cause is not None  # so it knows the job's epoch
         self._said_short = False  # held for a quorum: said so, for the round forming
         self._settled_below = -1  # what heartbeat acks say (see _note_unsettled)
         self._pace = pace(state.max_nodes)
@@ -626,8 +627,10 @@ class Coordinator:
                 # A node we lost took over from inside a partition: the job runs here.
                 self._send(identity, Redirect(coordinator_node=s.host_node, addr="", port=0))
             return  # (a member announcing: we were frozen, not it; its own beats tell it)
+        # A successor knows the job's epoch: an older announcement is stale (chaos seed
+        # 3011: one its standby socket had queued, from a successor since dead).
         behind = epoch < (s.redirect_epoch if s.redirect is not None else
-                          s.epoch if self._rounds else 0)
+                          s.epoch if self._rounds or self._took_over else 0)
         if behind:  # cut off from the job longer than we were: it stands down
             runs = s.redirect.coordinator_node if s.redirect is not None else s.host_node
             self._send(identity, Redirect(coordinator_node=runs, addr="", port=0))

@@ -763,6 +763,26 @@ def test_an_endpoint_cut_off_from_every_node_follows_the_successor_the_job_went_
     assert answers(b"d", before) == [took_over], "a newcomer is sent there too"
 
 
+def test_a_successor_sends_no_agent_to_an_announcer_of_an_older_epoch():
+    """Chaos (seed 3011): b, healed after a partition, waited as a spare while c and then d
+    ran the job; c had announced itself to b's standby socket, where nothing reads until b
+    takes over. d lost, b takes over at the job's epoch and finds c's announcements queued:
+    c is dead and behind, not where the job runs (its agent followed c and waited 2 s for
+    it to go silent)."""
+    state = JobState(min_nodes=1, max_nodes=2, max_restarts=5, policy="rank", backoff=0.0,
+                     backoff_max=0.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=0.5, join_timeout=60.0, host_node="b", joining_since=0.0,
+                     epoch=5, group_ranks={"b": 1}, expected_count=1, electorate=2,
+                     electorate_epoch=5, voters={"b", "d"}, gone={"d"})
+    socket = CapturingSocket()
+    coordinator = Coordinator(socket, SECRET, state, takeover_cause="d lost")
+    stale = CONTROL["redirect"](coordinator_node="c", addr="10.0.0.3", port=4000)
+    coordinator._handle(b"c-announcer", Envelope(2, stale), 1.0)
+    assert state.redirect is None
+    assert [(to, m.body) for to, m in socket.sent if m.body.TYPE == "redirect"] == [
+        (b"c-announcer", CONTROL["redirect"](coordinator_node="b", addr="", port=0))]
+
+
 def test_two_successors_announcing_at_one_epoch_do_not_send_the_endpoints_agents_back_and_forth():
     """Chaos (2 nodes, seed 1611): after a heal, a held successor and the cut-off coordinator
     it took over from both announced themselves at the endpoint, at one epoch, every tick;
