@@ -251,6 +251,7 @@ class Coordinator:
         self._announcement = announce[1] if announce else None
         self._rounds = 0  # rounds this coordinator formed
         self._took_over = takeover_cause is not None  # so it knows the job's epoch
+        self._queued = False  # handling what reached our socket before we served (see _serve)
         self._said_short = False  # held for a quorum: said so, for the round forming
         self._settled_below = -1  # what heartbeat acks say (see _note_unsettled)
         self._pace = pace(state.max_nodes)
@@ -336,6 +337,8 @@ class Coordinator:
         for announcer in self._announcers:
             poller.register(announcer, zmq.POLLIN)
         try:
+            if self._took_over:
+                self._drain_queued()
             self._serve_with(poller, monitor)
         finally:  # a monitor left open would block the context's term()
             self._socket.disable_monitor()
@@ -368,6 +371,19 @@ class Coordinator:
                     log.exception("coordinator tick failed")
                 self._announce()
             self._check_handed_over()
+
+    def _drain_queued(self) -> None:
+        """A successor's standby socket queued what came before it served: joins of agents
+        that followed it first, and maybe announcements of a coordinator that took over from
+        it once, cut off, and announced itself to it since (chaos seed 3000: of the job's
+        epoch still, they made it stand down for a node cut off since). Those are old news:
+        a coordinator that runs the job announces itself each tick, and is followed then."""
+        self._queued = True
+        try:
+            while not self._drain():
+                pass
+        finally:
+            self._queued = False
 
     def _closed_connections(self, monitor: zmq.Socket) -> None:
         while True:
@@ -489,7 +505,8 @@ class Coordinator:
             self._send(identity, Stop(exit_code=s.final[0], reason=s.final[1]))
             return
         if isinstance(msg, Redirect):
-            self._on_announcement(identity, msg, received.epoch, now)
+            if not self._queued:
+                self._on_announcement(identity, msg, received.epoch, now)
             return
         if s.redirect is not None:
             self._send(identity, s.redirect)

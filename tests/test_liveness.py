@@ -443,3 +443,50 @@ def test_a_successor_cut_off_after_its_rounds_stands_down_when_the_endpoint_says
             coordinator.close()
         endpoint.close()
         ctx.destroy(linger=0)
+
+
+def test_a_successor_drops_announcements_queued_on_its_standby_socket_before_it_served():
+    """Chaos (seed 3000): c took over from b while b was cut off, and kept announcing itself
+    to b's standby socket, where nothing reads until b hosts a coordinator there; b healed
+    and re-joined c. Later c's own node was cut off and b took over: c's announcements, of
+    the job's epoch still, stood queued, and b stood down at once for the node cut off,
+    sending its followers there (several recoveries for one fault, a cut-off node stranded).
+    What was queued before b served is old news: one that runs the job announces itself each
+    tick, and is followed once it does so again."""
+    from ftlaunch_contract.messages import CONTROL, JobStatus, Redirect
+    from ftlaunch_contract.protocol import Codec
+    from launcher.coordinator import Coordinator
+
+    ctx = zmq.Context()
+    codec = Codec(SECRET)
+    standby, port = bind_router(ctx, "127.0.0.1", 0, NODE_TIMEOUT)
+    c = ctx.socket(zmq.DEALER)  # c's announcer to b, its silent predecessor
+    c.setsockopt(zmq.LINGER, 0)
+    c.connect(f"tcp://127.0.0.1:{port}")
+    c_runs = Redirect(coordinator_node="c", addr="127.0.0.1", port=1)
+    state = _takeover_state({"b": 0})  # c lost, b alone: any announcer may run the job
+    state.epoch = 5
+    coordinator = None
+
+    def announce_then_ask() -> None:  # one connection: handled in the order sent
+        c.send_multipart(codec.encode(c_runs, 5))
+        c.send_multipart(codec.encode(CONTROL["status_query"](), 5))
+
+    def answered() -> None:
+        assert c.poll(5000), "no answer to the status query"
+        assert isinstance(codec.decode(c.recv_multipart()).body, JobStatus)
+
+    try:
+        announce_then_ask()
+        assert standby.poll(5000), "c's announcement is not queued"
+        coordinator = Coordinator(standby, SECRET, state, "coordinator node c lost")
+        coordinator.start()
+        answered()
+        assert state.redirect is None, "stood down for a queued announcement"
+        announce_then_ask()  # c, healed, says so again: it runs the job
+        answered()
+        assert state.redirect == c_runs, "a live announcer is not followed"
+    finally:
+        if coordinator is not None:
+            coordinator.release()
+        ctx.destroy(linger=0)
