@@ -379,8 +379,9 @@ class Coordinator:
         epoch still, they made it stand down for a node cut off since). Those are old news:
         a coordinator that runs the job announces itself each tick, and is followed then."""
         self._queued = True
+        until = time.monotonic() + FOLLOWED_QUIET  # (a stream that never pauses: served as usual)
         try:
-            while not self._drain():
+            while not self._drain() and time.monotonic() < until:
                 pass
         finally:
             self._queued = False
