@@ -506,11 +506,16 @@ class Job:
                 if i in started and p.poll() is None and started[i] > self.unseated.get(p.pid, -1)]
 
     def coordinator(self) -> subprocess.Popen:
-        """The agent hosting the coordinator now: the first, or the successor it handed to."""
-        host = self.starts[-1][0]
+        """The agent hosting the coordinator now: the first of the job's latest start, or the
+        successor it handed to since. Of that start only: after a requeue the first hosts
+        again (chaos seeds 3110, 3113: an earlier start's successor, long dead, was taken for
+        the host, and a partition meant for another node cut the coordinator's off)."""
+        start = self.starts[-1]
+        logs = {f"agent{self.agents.index(p)}" for p in start}
+        host = start[0]
         for e in sorted(outside_cuts(read_events(self.work), self.cuts), key=lambda e: e["ts"]):
-            if e["event"] == "coordinator_lost" and e["successor"]:
-                host = next((p for p in self.agents if self.node_id(p) == e["successor"]), host)
+            if e["node"] in logs and e["event"] == "coordinator_lost" and e["successor"]:
+                host = next((p for p in start if self.node_id(p) == e["successor"]), host)
         return host
 
     def agent_of(self, node_id: str) -> subprocess.Popen:

@@ -171,6 +171,32 @@ def test_a_coordinator_lost_again_later_is_another_recovery():
     assert [r["ts"] for r in chaos.recoveries(events)] == [T0 + 1, T0 + 9]
 
 
+def test_the_coordinators_host_is_found_among_the_jobs_latest_start(tmp_path):
+    """Chaos (seeds 3110, 3113): before a preemption the coordinator failed over to the
+    third agent; the requeued job's first agent hosts again, and only its start's events say
+    where the coordinator went since."""
+    import json
+    import socket
+
+    agents = [types.SimpleNamespace(pid=pid) for pid in (11, 12, 13, 21, 22, 23)]
+    job = object.__new__(chaos.Job)
+    job.work, job.agents, job.placed, job.cuts = tmp_path, agents, {}, []
+    job.starts = [agents[:3], agents[3:]]
+    host = socket.gethostname()
+
+    def lost(agent: int, successor: int, at: float) -> None:
+        log = tmp_path / "logs" / f"agent{agent}" / "chaos" / "events.jsonl"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a") as f:
+            f.write(json.dumps({"ts": at, "event": "coordinator_lost", "lost": "x",
+                                "successor": f"{host}:{successor}"}) + "\n")
+
+    lost(1, 13, T0)  # the first start: 11 lost, 13 took over
+    assert job.coordinator() is agents[3], "the requeued job's first agent hosts"
+    lost(5, 22, T0 + 9)  # the latest start: 21 lost, 22 took over
+    assert job.coordinator() is agents[4]
+
+
 def network_run(kind: str, **fault) -> chaos.Run:
     """good_run with its kill replaced by ``kind`` of node2 (agent1's log) at step 12."""
     run, _ = good_run()
