@@ -870,7 +870,7 @@ def campaign_table(runs: list[tuple[Options, Run, dict]]) -> str:
     """Faults by kind, recoveries by policy, recovery times and lost steps, as markdown."""
     by_kind: dict[str, int] = {}
     policies: dict[str, int] = {}
-    seconds, lost, failed = [], 0, 0
+    lost, failed = 0, 0
     kind_seconds: dict[str, list[float]] = {}  # a slow path shows up by its fault's kind
     for _, run, verdict in runs:
         failed += any(v is not None for v in verdict.values())
@@ -880,17 +880,14 @@ def campaign_table(runs: list[tuple[Options, Run, dict]]) -> str:
             kind_seconds.setdefault(kind, []).append(took)
         for r in recoveries(job_events(run)):
             policies[r["policy"]] = policies.get(r["policy"], 0) + 1
-        done = {}
-        for e in run.events:
-            if e["event"] == "recovered":
-                done.setdefault(e["restart_count"], e["seconds"])
-        seconds += list(done.values())
         for inj in run.injected:  # steps trained before the fault and again after it
             back = [step for t, _, step in run.resumes if t > inj.at]
             reached = max((s for t, s, _, _ in run.losses if t < inj.at), default=0)
             if back:
                 lost += max(0, reached - min(back))
-    seconds.sort()
+    # Each fault's recovery, as by kind (not the first agent's log's timing of a restart: a
+    # spare seated then timed its wait since it last trained, 21 s in an FSDP campaign).
+    seconds = sorted(took for times in kind_seconds.values() for took in times)
     p95 = seconds[min(len(seconds) - 1, int(0.95 * len(seconds)))] if seconds else 0.0
     lines = ["| runs | faults | runs with a broken invariant | recoveries by policy | "
              "recovery median / p95 (s) | steps re-trained |", "|---|---|---|---|---|---|",
