@@ -251,7 +251,7 @@ class Coordinator:
         self._announcement = announce[1] if announce else None
         self._rounds = 0  # rounds this coordinator formed
         self._took_over = takeover_cause is not None  # so it knows the job's epoch
-        self._queued = False  # handling what reached our socket before we served (see _serve)
+        self._queued = False  # handling what reached our socket before we served (_drain_queued)
         self._said_short = False  # held for a quorum: said so, for the round forming
         self._settled_below = -1  # what heartbeat acks say (see _note_unsettled)
         self._pace = pace(state.max_nodes)

@@ -4,8 +4,10 @@ run, and a small seeded campaign against the real launcher."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import types
@@ -178,9 +180,6 @@ def test_the_coordinators_host_is_found_among_the_jobs_latest_start(tmp_path):
     """Chaos (seeds 3110, 3113): before a preemption the coordinator failed over to the
     third agent; the requeued job's first agent hosts again, and only its start's events say
     where the coordinator went since."""
-    import json
-    import socket
-
     agents = [types.SimpleNamespace(pid=pid) for pid in (11, 12, 13, 21, 22, 23)]
     job = object.__new__(chaos.Job)
     job.work, job.agents, job.placed, job.cuts = tmp_path, agents, {}, []
