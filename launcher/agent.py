@@ -556,7 +556,7 @@ class Agent:
         """The coordinator's node is gone: park or stop our ranks, then join its successor."""
         lost = self.control.coordinator_node
         why = "its connection closed" if self.control.connection_lost else \
-            f"silent for {self.config.node_timeout:g}s"
+            f"silent for {self.clock() - self.control.last_heard:.1f}s"
         if self.phase == Phase.FINISHED:
             # Every rank here finished, so the job trained to its end (its steps are
             # collectives): the coordinator's node is gone because the job ended while we

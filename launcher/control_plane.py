@@ -40,7 +40,7 @@ from launcher.coordinator import (
     keep_alive,
     went_silent,
 )
-from launcher.peer_probe import Probe, Verdict, no_death
+from launcher.peer_probe import Knocks, Probe, Verdict, no_death
 
 log = logging.getLogger("ftlaunch.control")
 
@@ -152,6 +152,10 @@ class ControlPlane:
         self._connect_by: float | None = None  # a successor's connection closed: see _unheard
         self._unheard = False  # we follow a successor that has not answered yet
         self._join: tuple[Join, int] | None = None  # sent on this connection, maybe lost
+        # Its words late, the coordinator's machine may still answer (see _silent).
+        self._knocks: Knocks | None = None
+        self._answered_at = -1e9  # when it last did (a knock, or the probe of a close)
+        self._said_late = False  # logged that it is late, since we last heard it
         self.watch = context.socket(zmq.DEALER)
         self.watch.setsockopt(zmq.LINGER, 0)
         keep_alive(self.watch, node_timeout)
@@ -241,7 +245,8 @@ class ControlPlane:
             log.warning("dropped control message: %s", e)
             return None
         self.last_heard = time.monotonic()
-        self._unheard = False
+        self._unheard = self._said_late = False
+        self._drop_knocks()
         if isinstance(received.body, (Assign, Spare)):
             # The job's word on who would take over: what we took for lost before (cut off
             # by a partition: everyone) is not (chaos seeds 1301, 1306: a healed spare
@@ -375,7 +380,8 @@ class ControlPlane:
         if event["endpoint"].decode(errors="replace") != self._endpoint:
             return
         lost = event["event"] == zmq.EVENT_DISCONNECTED
-        if lost and time.monotonic() - self._woke_at < self._node_timeout:
+        now = time.monotonic()
+        if lost and now - self._woke_at < self._node_timeout:
             # The coordinator's kernel gave up on us while we were frozen: our socket
             # reconnects; if the coordinator is gone meanwhile, its silence says so.
             log.info("connection to the coordinator closed while this agent was frozen")
@@ -391,14 +397,16 @@ class ControlPlane:
             self._connect_by = self._connect_by or time.monotonic() + self._node_timeout
             if self._join is not None:
                 self.send(*self._join)
-        elif lost and went_silent(time.monotonic() - self.last_heard, self._node_timeout):
-            self._down.add(which)  # the kernel's node timeout: its machine went silent
+        elif lost and went_silent(now - self.last_heard, self._node_timeout) \
+                and (which == 1 or self._watching):
+            # The kernel's node timeout: its machine went silent. (In a small job ours also
+            # closes when TCP retried a message in vain that long, at heavy loss too: then
+            # the probe and the knocks say whether its machine answers, see _silent.)
+            self._down.add(which)
         elif lost:  # its process died, or the network ended the connection: ask its machine
             self._probing.add(which)
             if self._probe is None:
-                host, _, port = self._endpoint.removeprefix("tcp://").rpartition(":")
-                self._probe = Probe(self._addresses.get(host, host).strip("[]"), int(port),
-                                    self._node_timeout)
+                self._probe = Probe(*self._coordinator_at(), self._node_timeout)
             self.on_probe()
         else:
             self._down.discard(which)
@@ -421,15 +429,29 @@ class ControlPlane:
             self._down |= self._probing
             self._died = True
         else:
+            if answer is Verdict.ALIVE:
+                self._answered_at = time.monotonic()
             log.warning("connection to the coordinator closed while it was heard from, and "
                         "its machine %s: a network fault, not its death; lost only if it "
                         "goes silent for %gs", no_death(answer), self._liveness)
         self._drop_probe()
 
+    def _coordinator_at(self) -> tuple[str, int]:
+        """The literal address and port of the coordinator we follow (see _resolved)."""
+        host, _, port = self._endpoint.removeprefix("tcp://").rpartition(":")
+        return self._addresses.get(host, host).strip("[]"), int(port)
+
     def _drop_probe(self) -> None:
+        """Whatever probes of the coordinator are under way (its connection's, knocks)."""
         if self._probe is not None:
             self._probe.close()
         self._probe, self._probing = None, set()
+        self._drop_knocks()
+
+    def _drop_knocks(self) -> None:
+        if self._knocks is not None:
+            self._knocks.close()
+            self._knocks = None
 
     def heartbeat_if_due(self, now: float, epoch: int, phase: str = "",
                          ranks: RankStates = ()) -> None:
@@ -446,7 +468,7 @@ class ControlPlane:
     def woke(self, now: float) -> None:
         """This agent was frozen (SIGSTOP, a VM pause): the silence was ours, not the
         coordinator's. Speak first; if we were dropped meanwhile, it tells us to re-join."""
-        self.last_heard = now
+        self.last_heard = self._answered_at = now
         self.next_heartbeat = now
         self._woke_at = now
         self._down.clear()
@@ -465,8 +487,30 @@ class ControlPlane:
         self.on_probe(now)  # one not answered within the node timeout: no word of a death
         follows_own = self.hosting and self.coordinator_node in ("", self.node_id)
         return not follows_own and self.knows_successors and (
-            self.connection_lost or now - self.last_heard > self._liveness
+            self.connection_lost or self._silent(now)
             or (self._connect_by is not None and now > self._connect_by))
+
+    def _silent(self, now: float) -> bool:
+        """Silent past the liveness timeout, its machine not answering (a large job's timeout
+        is three of its beats, far past TCP's back-off: it does not knock, and thousands of
+        knocks would load a coordinator that only paused)."""
+        silence = now - self.last_heard
+        if silence > self._liveness / 2 and not self._watching:
+            if self._knocks is None:
+                self._knocks = Knocks(*self._coordinator_at(), membership.KNOCK * self._liveness,
+                                      self._liveness / 2)
+            self._answered_at = max(self._answered_at, self._knocks.knock(now))
+        if silence <= self._liveness:
+            return False
+        unanswered = now - max(self._answered_at, self.last_heard)
+        if membership.lost_by_silence(silence, unanswered, self._liveness):
+            return True
+        if not self._said_late:
+            self._said_late = True
+            log.warning("coordinator silent for %.1fs, but its machine answered %.1fs ago: a "
+                        "lossy link, or its agent stalls; lost if silent for %gs", silence,
+                        unanswered, 2 * self._liveness)
+        return False
 
     def fail_over(self, epoch: int, restart_count: int, group_world_size: int) -> str | None:
         """Follow the coordinator to its successor (maybe us); returns the successor or None."""

@@ -55,7 +55,7 @@ from ftlaunch_contract.messages import (
 from ftlaunch_contract.protocol import Codec, Envelope, ProtocolError
 from launcher import exit_codes, failures, membership, recovery, replica_plan
 from launcher.commits import CommitLog
-from launcher.peer_probe import Probe, Verdict, no_death
+from launcher.peer_probe import Knocks, Probe, Verdict, no_death
 
 log = logging.getLogger("ftlaunch.coordinator")
 
@@ -246,6 +246,8 @@ class Coordinator:
         self._fds: dict[bytes, int] = {}  # a peer's connection (its file descriptor)
         self._beats: dict[bytes, tuple[float, float]] = {}  # a connection's last ack and beat
         self._probes: dict[str, Probe] = {}  # a member whose connection closed while heard
+        self._knocks: dict[str, Knocks] = {}  # at silent members' standby ports (_knock)
+        self._said_late: set[str] = set()  # silent members logged as answering
         self._poller: zmq.Poller | None = None  # the serving loop's, once it runs
         self._announcers: dict[zmq.Socket, str] = {}  # to each endpoint, a socket
         self._announcement = announce[1] if announce else None
@@ -345,6 +347,8 @@ class Coordinator:
             monitor.close(linger=0)
             for node in list(self._probes):
                 self._drop_probe(node)
+            for knock in self._knocks.values():
+                knock.close()
 
     def _serve_with(self, poller: zmq.Poller, monitor: zmq.Socket) -> None:
         next_tick = 0.0
@@ -879,8 +883,7 @@ class Coordinator:
         if s.final is not None:
             return
         self._note_unsettled()
-        for node in membership.silent_members(s.last_seen, now, self._liveness(), s.host_node):
-            self._lose(node, now, silent=True)
+        self._lose_the_silent(now)
         if s.final is None and s.phase == RoundPhase.JOINING:
             self._seat_spares(now)  # a spare passed over while silent that speaks again
         if (s.final is None and s.phase == RoundPhase.JOINING
@@ -902,6 +905,41 @@ class Coordinator:
                 and now - s.first_finished_at > s.exit_barrier_timeout):
             missing = sorted(set(s.group_ranks) - s.finished)
             self._finish(exit_codes.JOB_FAILED, f"exit barrier timed out waiting for {missing}")
+
+    def _lose_the_silent(self, now: float) -> None:
+        """Members silent past the liveness timeout, their machines not answering knocks
+        (membership.lost_by_silence): lost."""
+        s = self._state
+        liveness = self._liveness()
+        silent = membership.silent_members(s.last_seen, now, liveness / 2, s.host_node)
+        for node in silent:
+            silence = now - s.last_seen[node]
+            unanswered = now - max(self._knock(node, now), s.last_seen[node])
+            if membership.lost_by_silence(silence, unanswered, liveness):
+                self._lose(node, now, silent=True)
+            elif silence > liveness and node not in self._said_late:
+                self._said_late.add(node)
+                log.warning("node %s silent for %.1fs, but its machine answers: a lossy link, "
+                            "or its agent stalls; lost if silent for %gs", node, silence,
+                            2 * liveness)
+        still = {node for node in silent if node in s.last_seen}
+        for node in self._knocks.keys() - still:  # heard again, or lost
+            self._knocks.pop(node).close()
+            self._said_late.discard(node)
+
+    def _knock(self, node: str, now: float) -> float:
+        """When a silent member's machine last answered a knock at its standby port (as an
+        agent knocks at its coordinator's: ControlPlane._silent). Not in a large job, whose
+        timeout is three of its beats, far past TCP's back-off."""
+        s = self._state
+        member, port = s.members.get(node), s.standby_ports.get(node)
+        liveness = self._liveness()
+        if member is None or not port or liveness > s.node_timeout:
+            return -1e9
+        if node not in self._knocks:
+            self._knocks[node] = Knocks(member.addr, port, membership.KNOCK * liveness,
+                                        liveness / 2)
+        return self._knocks[node].knock(now)
 
     def _ack_within(self) -> float:
         """Seconds within which an agent hears an ack (see ACK_WITHIN)."""
@@ -1006,15 +1044,17 @@ class Coordinator:
         """A member's connection closed: its agent died (a process that exits closes its
         sockets), or the kernel ended it: after the node timeout without a packet from its
         machine (keep_alive: powered off, cut off), or with its messages still coming under
-        packet loss (TCP_USER_TIMEOUT). A quiet one is lost now as silent; one still heard
-        from is probed (peer_probe): a death is acted on within a round trip, a live agent
-        is left to its heartbeats. A frozen process on a live machine keeps its connection
-        and is found by its heartbeats' silence."""
+        packet loss (TCP_USER_TIMEOUT). A quiet one of a large job is lost now as silent (its
+        rare heartbeats would take longer); any other is probed (peer_probe): a death is acted
+        on within a round trip, a live agent is left to its heartbeats, and their silence to
+        _lose_the_silent. A frozen process on a live machine keeps its connection and is
+        found by its heartbeats' silence."""
         s = self._state
         node = next((n for n, i in s.identities.items() if i == identity), None)
         if node is None or node == s.host_node or s.final is not None or node in s.leaving:
             return  # not a member (a status query, a spare's old link), or on its way out
-        if went_silent(now - s.last_seen.get(node, now), s.node_timeout):
+        if went_silent(now - s.last_seen.get(node, now), s.node_timeout) \
+                and self._liveness() > s.node_timeout:
             self._lose(node, now, f"node {node} lost (nothing from its machine for "
                        f"{s.node_timeout:g}s)", silent=True)
             return

@@ -165,6 +165,23 @@ def liveness_timeout(node_timeout: float, nodes: int) -> float:
     return max(node_timeout, 3 * min(MAX_BEAT_INTERVAL, nodes / HEARTBEATS_PER_SECOND))
 
 
+KNOCK = 1 / 8
+"""A knock's time to answer, as a share of the liveness timeout: a peer silent for half of
+it is knocked at four times before it is judged (see lost_by_silence)."""
+
+
+def lost_by_silence(silence: float, unanswered: float, liveness: float) -> bool:
+    """Whether a peer (an agent's coordinator, a coordinator's member) not heard from for
+    ``silence`` seconds is lost, its machine having last answered a knock on its port
+    ``unanswered`` seconds ago (see ControlPlane._knock_if_due). Gone, cut off, frozen (not
+    even its ZeroMQ I/O thread answers): lost at the liveness timeout, as ever. Answering: its
+    words are held back by TCP, which retries a lost segment after 0.2, 0.4, 0.8 s... (at 30 %
+    loss a second or more late every few dozen: chaos seed 3423 failed over from a live
+    coordinator), or its agent's Python stalls; it gets the timeout once more. Knocks come
+    one after another once it is silent for half the timeout: half tells the two apart."""
+    return silence > liveness and (unanswered > liveness / 2 or silence > 2 * liveness)
+
+
 def silent_members(last_seen: dict[str, float], now: float, timeout: float,
                    exempt: str = "") -> list[str]:
     """Members not heard from for more than ``timeout`` seconds: declared lost. ``last_seen``

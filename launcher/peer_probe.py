@@ -97,3 +97,39 @@ class Probe:
     def _settle(self, error: int) -> None:
         self._result = verdict(error)
         self.close()
+
+
+class Knocks:
+    """Knocks at a silent peer's port (see membership.lost_by_silence): a fresh connect every
+    ``every`` seconds, each waited on for ``patience`` (TCP resends a lost SYN-ACK after a
+    second: knocks that overlap do not wait on one another), and when the last greeting came.
+    A greeting is a live ZeroMQ socket's (Verdict.ALIVE); a refusal or silence says nothing
+    here: the peer's death is the closed connection's probe's to find."""
+
+    def __init__(self, host: str, port: int, every: float, patience: float):
+        self._host, self._port = host, port
+        self._every, self._patience = every, patience
+        self._knocks: list[Probe] = []
+        self._next = 0.0
+        self.answered_at = -1e9
+
+    def knock(self, now: float) -> float:
+        """Read the knocks' answers, knock again when due; when the peer last answered."""
+        for probe in list(self._knocks):
+            if (answer := probe.answer(now)) is not None:
+                self._knocks.remove(probe)
+                if answer is Verdict.ALIVE:
+                    self.answered_at = now
+        if now >= self._next:
+            self._knocks.append(Probe(self._host, self._port, self._patience))
+            self._next = now + self._every
+        return self.answered_at
+
+    @property
+    def fds(self) -> list[int]:
+        return [probe.fd for probe in self._knocks]
+
+    def close(self) -> None:
+        for probe in self._knocks:
+            probe.close()
+        self._knocks = []

@@ -48,7 +48,6 @@ import time
 
 import psutil
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from ftlaunch_contract.messages import Assign, Join, Recover, Redirect, Start, StoreReady
 from launcher import membership
@@ -135,7 +134,7 @@ class Agents:
     """Real ControlPlanes for agents ``ids``, driven the way the agent's loop drives its own;
     ``seen[kind][epoch][i]`` = when agent i first got that kind of message in that epoch."""
 
-    def __init__(self, port, ids, n, addr, node_timeout, interval):
+    def __init__(self, port, ids, n, addr, node_timeout, interval, endpoint="127.0.0.1"):
         self.context = zmq.Context()
         self.context.set(zmq.MAX_SOCKETS, 12 * len(ids) + 64)  # 9 an agent: 3 monitored
         self.n, self.interval = n, interval
@@ -149,7 +148,7 @@ class Agents:
         # call, and a process of 2,000 agents calling it every few ms starves the rest.
         self.epoll, self.by_fd, self.monitor_fds = select.epoll(), {}, set()
         for i in ids:
-            p = ControlPlane(self.context, SECRET, node_id(i), addr, ("127.0.0.1", port),
+            p = ControlPlane(self.context, SECRET, node_id(i), addr, (endpoint, port),
                              lambda: job_state(n, node_timeout), node_timeout, interval)
             self.planes[i], self.epoch[i] = p, 0
             self.watch(i)
@@ -162,9 +161,8 @@ class Agents:
             if time.monotonic() > end:
                 raise TimeoutError(f"{len(ids) - up} agents could not connect")
             time.sleep(0.1)
-        for sock in [m for p in self.planes.values() for m in p.monitors]:  # not news
-            while sock.poll(0):
-                recv_monitor_message(sock)
+        for p in self.planes.values():  # connected: as the agent's loop reads it
+            p.on_monitor()
 
     def live(self):
         return [i for i in self.planes if i not in self.silent and i not in self.closed]
@@ -251,12 +249,17 @@ class Agents:
                 self.last_beat[i], self.beats = now, self.beats + 1
                 self.serve(i)
             if p.coordinator_lost(now):
-                self.note("failover", self.epoch[i], i, now)
-                a = self.assign[i]
-                self.unwatch(i)
-                if p.fail_over(self.epoch[i], a.restart_count, a.group_world_size) is not None:
-                    self.watch(i)
-                    self.join(i)
+                self.fail_over(i, now)
+
+    def fail_over(self, i, now):
+        """Agent i took its coordinator for lost: it follows the successor, as an agent does."""
+        p = self.planes[i]
+        self.note("failover", self.epoch[i], i, now)
+        a = self.assign[i]
+        self.unwatch(i)
+        if p.fail_over(self.epoch[i], a.restart_count, a.group_world_size) is not None:
+            self.watch(i)
+            self.join(i)
 
     def spread_heartbeats(self):
         """Agents start at different moments: their heartbeats are spread over the interval

@@ -509,13 +509,19 @@ class Job:
         """The agent hosting the coordinator now: the first of the job's latest start, or the
         successor it handed to since. Of that start only: after a requeue the first hosts
         again (chaos seeds 3110, 3113: an earlier start's successor, long dead, was taken for
-        the host, and a partition meant for another node cut the coordinator's off)."""
+        the host, and a partition meant for another node cut the coordinator's off). A
+        spare's word names the host too: one that took over and stood down (chaos seed 3423)
+        then waits as a spare of the coordinator that went on."""
         start = self.starts[-1]
         logs = {f"agent{self.agents.index(p)}" for p in start}
         host = start[0]
         for e in sorted(outside_cuts(read_events(self.work), self.cuts), key=lambda e: e["ts"]):
-            if e["node"] in logs and e["event"] == "coordinator_lost" and e["successor"]:
-                host = next((p for p in start if self.node_id(p) == e["successor"]), host)
+            if e["node"] not in logs:
+                continue
+            node = e.get("successor") if e["event"] == "coordinator_lost" else \
+                e.get("coordinator") if e["event"] == "spare" else None
+            if node:
+                host = next((p for p in start if self.node_id(p) == node), host)
         return host
 
     def agent_of(self, node_id: str) -> subprocess.Popen:

@@ -191,7 +191,7 @@ class FakeControl:
         self.electorate_epoch = -1  # the assign its members came with (see Heartbeat)
         self.settled_below = -1  # what its coordinator said is settled (see Join)
         self.coordinator_node, self.standby_port, self.next_heartbeat = "n0", 4000, 0.0
-        self.connection_lost = False
+        self.connection_lost, self.last_heard = False, 0.0
         self.knows_successors = False
         self.coordinator_failure: str | None = None
 

@@ -197,6 +197,10 @@ def test_the_coordinators_host_is_found_among_the_jobs_latest_start(tmp_path):
     assert job.coordinator() is agents[3], "the requeued job's first agent hosts"
     lost(5, 22, T0 + 9)  # the latest start: 21 lost, 22 took over
     assert job.coordinator() is agents[4]
+    lost(5, 23, T0 + 12)  # 23 failed over to itself, then stood down: it waits under 22
+    with (tmp_path / "logs" / "agent5" / "chaos" / "events.jsonl").open("a") as f:
+        f.write(json.dumps({"ts": T0 + 12.1, "event": "spare", "coordinator": f"{host}:22"}) + "\n")
+    assert job.coordinator() is agents[4], "the one that stood down taken for the host"
 
 
 def network_run(kind: str, **fault) -> chaos.Run:

@@ -401,7 +401,13 @@ def test_rank_command_does_not_alias_args():
 
 # --- rendezvous rounds, liveness, succession (pure) -------------------------------------
 
-from launcher.membership import round_complete, silent_members, successor, takes_seat  # noqa: E402
+from launcher.membership import (  # noqa: E402
+    lost_by_silence,
+    round_complete,
+    silent_members,
+    successor,
+    takes_seat,
+)
 
 
 @pytest.mark.parametrize("joined, expected, min_reached_at, now, why", [
@@ -430,6 +436,16 @@ def test_a_joining_node_takes_only_a_seat_no_survivor_will_fill(node, joined, ex
                                                                 expected_count, max_nodes,
                                                                 seated):
     assert takes_seat(node, joined, expected, expected_count, max_nodes) is seated
+
+
+def test_a_peer_whose_machine_answers_knocks_gets_the_liveness_timeout_twice():
+    """Silent past the timeout, its knocks unanswered (cut off, gone, frozen): lost. Its
+    machine answering (a lossy link, a stalled agent): lost at twice the timeout."""
+    assert not lost_by_silence(silence=1.9, unanswered=1.9, liveness=2.0)
+    assert lost_by_silence(silence=2.1, unanswered=1.1, liveness=2.0)
+    assert not lost_by_silence(silence=2.1, unanswered=0.3, liveness=2.0)
+    assert not lost_by_silence(silence=3.9, unanswered=0.0, liveness=2.0)
+    assert lost_by_silence(silence=4.1, unanswered=0.0, liveness=2.0)
 
 
 def test_silent_members_are_those_past_the_timeout():

@@ -5,6 +5,9 @@ its connection for a lost coordinator."""
 from __future__ import annotations
 
 import select
+import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -12,6 +15,7 @@ import zmq
 from conftest import end_connections_to, needs_iptables, needs_ss_kill, silenced
 from zmq.utils.monitor import recv_monitor_message
 
+from ftlaunch_contract.messages import Successor
 from launcher.control_plane import ControlPlane
 from launcher.coordinator import JobState, bind_router, keep_alive, probe_interval
 
@@ -230,6 +234,85 @@ def test_an_agent_finds_its_coordinators_silent_machine_within_the_node_timeout_
     assert lost_at is not None, "the coordinator's silent machine was not found"
     assert NODE_TIMEOUT - probe - 0.1 <= lost_at - cut_at < NODE_TIMEOUT + 0.75, \
         "not counted from the last message's sending"
+
+
+def _silence_when_lost(plane: ControlPlane, limit: float) -> float:
+    """Drive the plane as the agent's loop does (heartbeats, connection events) while the
+    coordinator never answers; the silence after which the plane takes it for lost."""
+    plane.members = (Successor("node-a:1", "127.0.0.1", 1), Successor("node-b:1", "127.0.0.1", 2))
+    plane.coordinator_node = "node-a:1"
+    end = time.monotonic() + limit
+    while (now := time.monotonic()) < end:
+        plane.on_monitor()
+        plane.heartbeat_if_due(now, 0)
+        if plane.coordinator_lost(now):
+            return now - plane.last_heard
+        time.sleep(0.02)  # the agent's loop polls; nothing comes
+    raise AssertionError(f"the coordinator was not taken for lost within {limit}s")
+
+
+def test_a_coordinator_whose_machine_answers_knocks_is_lost_only_at_twice_the_timeout():
+    """Its words late, its ZeroMQ greeting our knocks: a lossy link, whose TCP retries hold a
+    message back over a second now and then (chaos seed 3423 failed over from a live
+    coordinator for it), or its agent's Python stalls. Its machine is not gone: it is lost
+    at twice the timeout, not at the first."""
+    ctx = zmq.Context()
+    router, port = bind_router(ctx, "127.0.0.1", 0, NODE_TIMEOUT)  # it reads, never answers
+    plane = _control_plane(ctx, port)
+    try:
+        silence = _silence_when_lost(plane, 4 * NODE_TIMEOUT)
+    finally:
+        plane.close()
+        router.close(linger=0)
+        ctx.destroy(linger=0)
+    assert silence > 2 * NODE_TIMEOUT, f"lost after {silence:.2f}s, its machine answering"
+
+
+_ROUTER = ("import time, zmq; r = zmq.Context().socket(zmq.ROUTER); "
+           "print(r.bind_to_random_port('tcp://127.0.0.1'), flush=True); time.sleep(60)")
+
+
+def test_a_frozen_coordinator_is_lost_at_the_timeout():
+    """SIGSTOPped, its process greets no knock (its kernel accepts them): lost at the
+    timeout, as a machine gone."""
+    proc = subprocess.Popen([sys.executable, "-c", _ROUTER], stdout=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    try:
+        port = int(proc.stdout.readline())
+        plane = _control_plane(ctx, port)
+        plane.socket.send(b"x")
+        end = time.monotonic() + 5
+        while not any(c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+                      for c in psutil.Process().net_connections("tcp")):
+            assert time.monotonic() < end, "never connected"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGSTOP)
+        plane.last_heard = time.monotonic()  # heard as it froze
+        silence = _silence_when_lost(plane, 4 * NODE_TIMEOUT)
+        plane.close()
+    finally:
+        proc.kill()
+        proc.wait()
+        ctx.destroy(linger=0)
+    assert silence < 2 * NODE_TIMEOUT, f"lost only after {silence:.2f}s, frozen"
+
+
+@needs_iptables
+def test_a_coordinator_whose_machine_went_silent_is_lost_at_the_timeout():
+    ctx = zmq.Context()
+    router, port = bind_router(ctx, "127.0.0.1", 0, NODE_TIMEOUT)
+    plane = _control_plane(ctx, port)
+    try:
+        plane.socket.send(b"x")
+        assert router.poll(5000), "not connected"
+        with silenced([port]):
+            plane.last_heard = time.monotonic()  # heard as the machine went silent
+            silence = _silence_when_lost(plane, 4 * NODE_TIMEOUT)
+    finally:
+        plane.close()
+        router.close(linger=0)
+        ctx.destroy(linger=0)
+    assert silence < 2 * NODE_TIMEOUT, f"lost only after {silence:.2f}s, its machine silent"
 
 
 def _takeover_state(group_ranks: dict[str, int]) -> JobState:

@@ -136,3 +136,39 @@ def test_the_coordinator_loses_a_member_whose_connection_closed_only_if_it_died(
     if lost:
         recover = [m.body for _, m in socket_.sent if m.body.TYPE == "recover"][-1]
         assert recover.cause == "node b lost (its agent's connection closed)"
+
+
+@pytest.mark.parametrize("standby", ["greets", "never greets"])
+def test_a_silent_member_whose_machine_answers_knocks_is_lost_only_at_twice_the_timeout(standby):
+    """b falls silent. Knocked at its standby port from half the liveness timeout on: its
+    ZeroMQ greets (a lossy link holds its heartbeats back, or its agent stalls) -> kept until
+    twice the timeout; nothing greets (frozen, cut off) -> lost at the timeout, as ever."""
+    coordinator, _ = _two_nodes_joined({"a": (), "b": ()})
+    _running(coordinator)
+    state, liveness = coordinator._state, coordinator._liveness()
+    ctx = zmq.Context()
+    router, port = _zmq_router(ctx) if standby == "greets" else (None, 0)
+    listener = _listener() if router is None else None
+    if listener is not None:
+        port = listener.getsockname()[1]
+    state.members["b"] = dataclasses.replace(state.members["b"], addr="127.0.0.1")
+    state.standby_ports["b"] = port
+    heard = state.last_seen["b"]
+    try:
+        knocking = heard + 0.6 * liveness  # the clock of the job's messages, not the probe's
+        coordinator._tick(knocking)
+        end = time.monotonic() + 5
+        while standby == "greets" and coordinator._knock("b", knocking) < 0:
+            assert time.monotonic() < end, "the knock was never answered"
+            select.select(coordinator._knocks["b"].fds, [], [], 0.05)
+        coordinator._tick(heard + 1.1 * liveness)
+        assert ("b" in state.group_ranks) is (standby == "greets")
+        coordinator._tick(heard + 2.1 * liveness)
+        assert "b" not in state.group_ranks, "silent for twice the timeout, and kept"
+        assert not coordinator._knocks, "a knock left open"
+    finally:
+        if router is not None:
+            router.close()
+        if listener is not None:
+            listener.close()
+        ctx.term()
