@@ -64,13 +64,15 @@ FOLLOWED_QUIET = 10 * TICK_SECONDS  # a successor announcing itself missed that 
 MAX_PACE = 0.02  # see pace()
 _NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)  # see _send_frames
 PEER_ERROR_GRACE = 0.5  # seconds a peer error waits for the failure that caused it
-ACK_WITHIN = 0.5
+ACK_WITHIN = 0.25
 LARGE_ACK_WITHIN = 0.75
 """An agent takes the coordinator for lost after the liveness timeout without a word from it,
 yet an ack per heartbeat would double a large job's load on the coordinator for nothing. A
 heartbeat is acked when the node's next one (as far off as its last) would come more than
-ACK_WITHIN of the timeout after the last ack: at 0.5 s beats in a 5 s timeout, every fifth,
-and whatever the rate, the agent hears one within half the timeout. A large job's beats are
+ACK_WITHIN of the timeout after the last ack: at 0.5 s beats in a 5 s timeout, every third,
+and whatever the rate, the agent hears one within a quarter of the timeout: three quarters
+are left for a message TCP holds back under packet loss, and a coordinator silent for half
+is knocked at (ControlPlane._silent) only when something is wrong. A large job's beats are
 a third of its timeout apart: within LARGE_ACK_WITHIN every other one is acked (two thirds of
 the timeout, a third to spare)."""
 DRAIN_BATCH = 1024
@@ -916,6 +918,9 @@ class Coordinator:
             silence = now - s.last_seen[node]
             unanswered = now - max(self._knock(node, now), s.last_seen[node])
             if membership.lost_by_silence(silence, unanswered, liveness):
+                if node in self._knocks and unanswered < silence:
+                    log.warning("node %s: its machine last answered a knock %.1fs ago", node,
+                                unanswered)
                 self._lose(node, now, silent=True)
             elif silence > liveness and node not in self._said_late:
                 self._said_late.add(node)

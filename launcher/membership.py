@@ -165,9 +165,12 @@ def liveness_timeout(node_timeout: float, nodes: int) -> float:
     return max(node_timeout, 3 * min(MAX_BEAT_INTERVAL, nodes / HEARTBEATS_PER_SECOND))
 
 
-KNOCK = 1 / 8
-"""A knock's time to answer, as a share of the liveness timeout: a peer silent for half of
-it is knocked at four times before it is judged (see lost_by_silence)."""
+KNOCK = 1 / 16
+"""Knocks' spacing, as a share of the liveness timeout: a peer silent for half of it is
+knocked at eight times before it is judged (see lost_by_silence). Each needs its SYN and
+its last ACK through, and is answered within a round trip or, once TCP resends, a second
+later: at 30 % loss about half are answered in time, and eight all go unanswered once in
+two hundred."""
 
 
 def lost_by_silence(silence: float, unanswered: float, liveness: float) -> bool:

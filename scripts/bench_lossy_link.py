@@ -3,14 +3,14 @@
 Two throwaway machines (network namespaces, scripts/netns.py): node1 hosts the coordinator
 (agent 0: a real ControlPlane hosting a real Coordinator), node2 runs --agents more real
 ControlPlanes that join it and heartbeat as the agent's loop does (bench_rendezvous.Agents).
-For --seconds iptables drops --loss of one machine's outgoing packets: the coordinator's,
-then the agents'. Nothing fails over here: each agent counts the silences ftlaunch's verdict
-took for a lost coordinator (membership.coordinator_silent: the silence and its machine's TCP
-ACKs) beside those the silence alone would have (the rule before it, chaos seed 3423), and
-the coordinator's drops of agents are counted by the recoveries they start. Every one is a
-false verdict: both machines stayed up.
+For --seconds iptables drops --loss of one machine's outgoing packets (--lossy: the
+coordinator's, the agents', or both in turn). Nothing fails over here: each agent counts the
+silences ftlaunch's verdict took for a lost coordinator (membership.lost_by_silence: the
+silence and knocks at its port) beside those the silence alone would have (the rule before
+it: chaos seed 3423), and the coordinator counts the agents it dropped beside those it kept
+only because they answered knocks. Every one is a false verdict: both machines stayed up.
 
-    python scripts/bench_lossy_link.py --loss 0.3 --seconds 120 --agents 8   # as root
+    python scripts/bench_lossy_link.py --loss 0.3 --seconds 300 --agents 8   # as root
 """
 
 from __future__ import annotations
@@ -51,20 +51,27 @@ class Counting(Agents):
                 self.silent_past.add((i, p.last_heard))
 
     def fail_over(self, i, now):
-        if self.counting:
-            self.said_lost.add((i, self.planes[i].last_heard))
+        p = self.planes[i]
+        if self.counting and (i, p.last_heard) not in self.said_lost:
+            self.said_lost.add((i, p.last_heard))
+            why = "its connection closed" if p.connection_lost else \
+                f"its machine last answered {now - p._answered_at:.1f}s ago"  # noqa: SLF001
+            print(f"agent {i}: coordinator lost after {now - p.last_heard:.1f}s silent, {why}",
+                  file=sys.stderr, flush=True)
 
 
 class Kept(logging.Handler):
-    """The coordinator's word that a member silent past the timeout answers knocks: a drop
-    the silence alone would have made."""
+    """The coordinator's words that it dropped a member, or kept one silent past the timeout
+    whose machine answers knocks (a drop the silence alone would have made)."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
-        self.count, self.counting = 0, False
+        self.kept, self.lost, self.counting = 0, 0, False
 
     def emit(self, record):
-        self.count += self.counting and "but its machine answers" in record.getMessage()
+        if self.counting:
+            self.kept += "but its machine answers" in record.getMessage()
+            self.lost += " lost: " in record.getMessage()
 
 
 def serve(args) -> None:
@@ -84,7 +91,7 @@ def serve(args) -> None:
     print("joined", flush=True)
     sel = selectors.DefaultSelector()
     sel.register(sys.stdin, selectors.EVENT_READ)
-    started, recover_before = False, set()
+    started = False
     while True:
         agents.step(5)
         if not started and all(any(i in seen for seen in agents.seen["start"].values())
@@ -95,12 +102,11 @@ def serve(args) -> None:
             line = sys.stdin.readline().strip()
             if line == "count":
                 agents.counting = kept.counting = True
-                recover_before = set(agents.seen["recover"])
             elif line == "report" or not line:
                 print(json.dumps({
                     "said_lost": len(agents.said_lost), "silent_past": len(agents.silent_past),
-                    "kept": kept.count,
-                    "recoveries": len(set(agents.seen["recover"]) - recover_before)}),
+                    "kept": kept.kept, "lost": kept.lost,
+}),
                     flush=True)
                 return
 
@@ -157,8 +163,8 @@ def one_run(args, lossy: int) -> dict:
     return {"lossy": "coordinator's" if lossy == 1 else "agents'", "dropped": dropped,
             "coordinator_lost": agents_side["said_lost"],
             "coordinator_lost_by_silence_alone": agents_side["silent_past"],
-            "agents_dropped": agents_side["recoveries"],
-            "agents_dropped_by_silence_alone": agents_side["recoveries"] + host_side["kept"]}
+            "agents_dropped": host_side["lost"],
+            "agents_dropped_by_silence_alone": host_side["lost"] + host_side["kept"]}
 
 
 def main() -> int:
@@ -168,6 +174,8 @@ def main() -> int:
     p.add_argument("--agents", type=int, default=8)
     p.add_argument("--node-timeout", type=float, default=2.0)
     p.add_argument("--heartbeat-interval", type=float, default=0.2)
+    p.add_argument("--lossy", choices=("coordinator", "agents", "both"), default="both",
+                   help="whose machine loses packets")
     p.add_argument("--role", choices=("host", "agents"), help=argparse.SUPPRESS)
     p.add_argument("--addr", help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
@@ -180,7 +188,7 @@ def main() -> int:
         sys.exit(f"bench_lossy_link: {why}")
     print(f"{args.loss:.0%} loss for {args.seconds:g}s, {args.agents} agents, --node-timeout "
           f"{args.node_timeout:g}, --heartbeat-interval {args.heartbeat_interval:g}")
-    for lossy in (1, 2):
+    for lossy in {"coordinator": (1,), "agents": (2,), "both": (1, 2)}[args.lossy]:
         print(json.dumps(one_run(args, lossy)), flush=True)
     return 0
 
