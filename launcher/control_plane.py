@@ -115,7 +115,8 @@ class ControlPlane:
         self.coordinator: Coordinator | None = None
         self._redirecting: Coordinator | None = None  # see _host
         self.standby: zmq.Socket | None
-        self.standby, self.standby_port = bind_router(context, addr, 0, node_timeout)
+        self.standby, self.standby_port = bind_router(context, addr, 0, node_timeout,
+                                                      small=not self._watching)
         # Every agent keeps a connection open to the coordinator's first successor (see
         # _prepare_takeover): ours may be the standby the whole job connects to.
         room_for_connections(new_state().max_nodes, self._watching)
@@ -225,7 +226,8 @@ class ControlPlane:
         try:
             bind_host = "0.0.0.0" if names_this_host(endpoint[0]) else \
                 socket.gethostbyname(endpoint[0])
-            sock, _ = bind_router(self._context, bind_host, endpoint[1], self._node_timeout)
+            sock, _ = bind_router(self._context, bind_host, endpoint[1], self._node_timeout,
+                                  small=not self._watching)
         except (zmq.ZMQError, OSError):
             return  # the endpoint is another machine's, or another agent here got it first
         self._host(sock, self.new_state_for_host())

@@ -192,24 +192,28 @@ def connection_monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
     return sock.get_monitor_socket(events, addr=f"inproc://ftlaunch-monitor-{next(_monitors)}")
 
 
-def keep_alive(sock: zmq.Socket, node_timeout: float) -> None:
+def keep_alive(sock: zmq.Socket, node_timeout: float, small: bool = False) -> None:
     """A machine that goes silent (powered off, cut off, paused) has its connections closed
     by the kernel once nothing came back for ``node_timeout``, whatever the heartbeat rate:
     TCP keepalive probes an idle connection every second or so and TCP_USER_TIMEOUT
     (ZMQ_TCP_MAXRT) ends it; both ends get a disconnect event. The probes are the kernel's:
-    no process wakes for them. A frozen process on a live machine still answers them."""
+    no process wakes for them. A frozen process on a live machine still answers them.
+    A ``small`` job's heartbeats and knocks find a silent machine within the node timeout
+    (membership.lost_by_silence), so the kernel gets twice that: at heavy packet loss it
+    retries a message as long, and a connection it ends must be made again through the same
+    loss (30 % for 300 s: 149 connections ended, heartbeats held back 4 s)."""
     probe = probe_interval(node_timeout)
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, probe)
     sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, probe)
-    sock.setsockopt(zmq.TCP_MAXRT, int(node_timeout * 1000))
+    sock.setsockopt(zmq.TCP_MAXRT, int(node_timeout * (2 if small else 1) * 1000))
 
 
-def bind_router(context: zmq.Context, addr: str, port: int,
-                node_timeout: float) -> tuple[zmq.Socket, int]:
-    """A ROUTER socket bound to addr:port (port 0 = any free port)."""
+def bind_router(context: zmq.Context, addr: str, port: int, node_timeout: float,
+                small: bool = False) -> tuple[zmq.Socket, int]:
+    """A ROUTER socket bound to addr:port (port 0 = any free port); ``small``: see keep_alive."""
     sock = context.socket(zmq.ROUTER)
-    keep_alive(sock, node_timeout)
+    keep_alive(sock, node_timeout, small)
     sock.setsockopt(zmq.LINGER, 1000)  # let the last "stop" reach every agent
     sock.setsockopt(zmq.MAXMSGSIZE, 2 << 20)  # anything larger is cut off by ZeroMQ itself
     sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
