@@ -61,6 +61,11 @@ BENCHES = (
     Bench("coordinator loss", "the coordinator's node killed (process dies) vs stopped (silent)",
           ("scripts/bench_coordinator_loss.py", "--reps", "3", "--node-timeout", "5"),
           ("scripts/bench_coordinator_loss.py", "--reps", "1", "--node-timeout", "2")),
+    Bench("lossy link", "30 % packet loss on a live job's links: false verdicts of a lost "
+          "coordinator or agent, and of the silence alone (as root)",
+          ("scripts/bench_lossy_link.py", "--seconds", "300", "--agents", "8"),
+          ("scripts/bench_lossy_link.py", "--seconds", "60", "--agents", "4", "--lossy",
+           "coordinator")),
     Bench("rendezvous", "N simulated agents form a job: ftlaunch vs torch's c10d rendezvous; "
           "heartbeat CPU, node loss, failover",
           ("scripts/bench_rendezvous.py", "--sizes", "1024,4096,8192,16384", "--torch-max", "64"),

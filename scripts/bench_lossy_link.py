@@ -55,12 +55,12 @@ class Counting(Agents):
         if self.counting and (i, p.last_heard) not in self.said_lost:
             self.said_lost.add((i, p.last_heard))
             why = "its connection closed" if p.connection_lost else \
-                f"its machine last answered {now - p._answered_at:.1f}s ago"  # noqa: SLF001
+                f"its machine last answered {now - p._answered_at:.1f}s ago"  # its own word
             print(f"agent {i}: coordinator lost after {now - p.last_heard:.1f}s silent, {why}",
                   file=sys.stderr, flush=True)
 
 
-class Kept(logging.Handler):
+class CoordinatorVerdicts(logging.Handler):
     """The coordinator's words that it dropped a member, or kept one silent past the timeout
     whose machine answers knocks (a drop the silence alone would have made)."""
 
@@ -78,7 +78,7 @@ def serve(args) -> None:
     """One machine's agents (run inside its namespace), driven by lines on stdin: "count"
     starts counting, "report" prints what was counted and ends."""
     logging.basicConfig(level=logging.WARNING, format=f"{args.role}: %(message)s")
-    kept = Kept()
+    kept = CoordinatorVerdicts()  # those of the coordinator this process hosts, if any
     logging.getLogger("ftlaunch.coordinator").addHandler(kept)
     n = args.agents + 1
     ids = [0] if args.role == "host" else list(range(1, n))
@@ -103,11 +103,9 @@ def serve(args) -> None:
             if line == "count":
                 agents.counting = kept.counting = True
             elif line == "report" or not line:
-                print(json.dumps({
-                    "said_lost": len(agents.said_lost), "silent_past": len(agents.silent_past),
-                    "kept": kept.kept, "lost": kept.lost,
-}),
-                    flush=True)
+                print(json.dumps({"said_lost": len(agents.said_lost), "kept": kept.kept,
+                                  "silent_past": len(agents.silent_past), "lost": kept.lost}),
+                      flush=True)
                 return
 
 
