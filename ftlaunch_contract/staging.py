@@ -21,7 +21,7 @@ import mmap
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -205,7 +205,7 @@ def adopt_stale(into: Path, job: str) -> list[str]:
             continue
         for sub in ("", "replicas"):
             (into / sub).mkdir(exist_ok=True)
-            for meta in sorted(Path(entry, sub).glob("rank_*.*.meta")):
+            for meta in _listed(Path(entry, sub).glob("rank_*.*.meta")):
                 data, target = meta.with_suffix(".data"), into / sub / meta.name
                 if target.exists() or not data.exists():
                     continue
@@ -254,10 +254,20 @@ def _owner_gone(entry: Path) -> bool:
 
 def _newest_meta(entry: Path) -> float:
     newest = 0.0
-    for meta in entry.rglob("rank_*.*.meta"):
+    for meta in _listed(entry.rglob("rank_*.*.meta")):
         with contextlib.suppress(OSError):  # taken meanwhile by another new agent
             newest = max(newest, meta.stat().st_mtime)
     return newest
+
+
+def _listed(paths: Iterator[Path]) -> list[Path]:
+    """What a walk of a gone agent's staging finds, sorted, until the directory is gone: agents
+    that leave or start at once on a host each adopt what the gone ones left, and one deletes
+    a directory another is walking (a three-node job's two survivors exiting together)."""
+    found: list[Path] = []
+    with contextlib.suppress(FileNotFoundError):
+        found.extend(paths)
+    return sorted(found)
 
 
 def flush(directory: str | Path) -> list[tuple[int, int]]:

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -482,6 +483,35 @@ def test_staging_left_by_a_killed_agent_is_adopted_by_an_agent_of_its_job_only(t
         assert not (mine / "rank_1.1.data").exists()
     finally:
         shutil.rmtree(mine)
+
+
+def test_a_gone_agents_staging_deleted_while_another_agent_walks_it_is_passed_over(
+        tmp_path, monkeypatch):
+    """Two agents of a host exit at once and each adopts what gone agents left: one deletes
+    a directory while the other walks it (a netns test's survivor exited 1 on it). The walk
+    ends where the directory did; the adopter goes on."""
+    from ftlaunch_contract import staging
+
+    gone = tmp_path / "ftlaunch-staging-1-gone"
+    (gone / "replicas").mkdir(parents=True)
+    for name in ("rank_0.0.meta", "rank_0.0.data", "replicas/rank_1.0.meta",
+                 "replicas/rank_1.0.data"):
+        (gone / name).write_bytes(b"x")
+    (gone / staging.JOB_FILE).write_text("job")
+    walk = Path.rglob
+
+    def adopted_meanwhile(self, pattern):
+        for i, found in enumerate(walk(self, pattern)):
+            yield found
+            if i == 0:  # the other agent takes it now: the walk's next directory is gone
+                shutil.rmtree(gone)
+
+    monkeypatch.setattr(Path, "rglob", adopted_meanwhile)
+    monkeypatch.setattr(staging, "_owner_gone", lambda entry: True)
+    mine = tmp_path / "ftlaunch-staging-2-mine"
+    mine.mkdir()
+    assert staging.adopt_stale(mine, "job") == []
+    assert not gone.exists()
 
 
 def test_a_live_agents_staging_is_never_taken_for_a_dead_ones(tmp_path):
