@@ -176,7 +176,7 @@ two hundred."""
 def lost_by_silence(silence: float, unanswered: float, liveness: float) -> bool:
     """Whether a peer (an agent's coordinator, a coordinator's member) not heard from for
     ``silence`` seconds is lost, its machine having last answered a knock on its port
-    ``unanswered`` seconds ago (see ControlPlane._knock_if_due). Gone, cut off, frozen (not
+    ``unanswered`` seconds ago (see ControlPlane._silent). Gone, cut off, frozen (not
     even its ZeroMQ I/O thread answers): lost at the liveness timeout, as ever. Answering: its
     words are held back by TCP, which retries a lost segment after 0.2, 0.4, 0.8 s... (at 30 %
     loss a second or more late every few dozen: chaos seed 3423 failed over from a live

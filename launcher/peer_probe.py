@@ -127,6 +127,7 @@ class Knocks:
 
     @property
     def fds(self) -> list[int]:
+        """The knocks under way, to wait on (their answers are read at the next knock())."""
         return [probe.fd for probe in self._knocks]
 
     def close(self) -> None:
