@@ -260,6 +260,7 @@ class Coordinator:
         self._rounds = 0  # rounds this coordinator formed
         self._took_over = takeover_cause is not None  # so it knows the job's epoch
         self._queued = False  # handling what reached our socket before we served (_drain_queued)
+        self._queued_joins: set[str] = set()  # nodes that joined in what was queued
         self._said_short = False  # held for a quorum: said so, for the round forming
         self._settled_below = -1  # what heartbeat acks say (see _note_unsettled)
         self._pace = pace(state.max_nodes)
@@ -395,6 +396,46 @@ class Coordinator:
                 pass
         finally:
             self._queued = False
+        self._forget_closed_joins(time.monotonic())
+
+    def _forget_closed_joins(self, now: float) -> None:
+        """Joins queued from a connection that closed before we served are no joins: ZeroMQ
+        hands over what a peer sent before it left (a spare that followed us while we still
+        followed our predecessor, then went on or died). Taken as they stand, such a spare
+        held a seat in our round that its assign never reached, its ranks awaited for the
+        liveness timeout, and a dead survivor counted as back. A spare is forgotten (alive,
+        it joins again); a survivor's machine is probed, as for any connection that closed."""
+        s = self._state
+        joined = {node: s.identities[node] for node in self._queued_joins if node in s.identities}
+        self._queued_joins.clear()
+        closed = self._unroutable(list(joined.values()))
+        for node, identity in sorted(joined.items()):
+            if identity not in closed:
+                continue
+            self._fds.pop(identity, None)  # its descriptor may be another connection's now
+            if node in s.group_ranks:
+                self._disconnected(identity, now)
+            else:
+                self._lose(node, now, f"node {node}: its join came on a connection closed "
+                           "before this coordinator served; forgotten", silent=True)
+
+    def _unroutable(self, identities: list[bytes]) -> set[bytes]:
+        """Those of ``identities`` whose connection closed: only a mandatory send is told
+        that it cannot be routed. Each open one gets an ack: word that we serve."""
+        frames = self._codec.encode(HeartbeatAck(settled_below=self._settled_below),
+                                    self._state.epoch)
+        closed = set()
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            for identity in identities:
+                try:
+                    self._socket.send_multipart([identity, *frames], _NOBLOCK)
+                except zmq.ZMQError as e:  # (EAGAIN: open, its queue full)
+                    if e.errno == zmq.EHOSTUNREACH:
+                        closed.add(identity)
+        finally:
+            self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        return closed
 
     def _closed_connections(self, monitor: zmq.Socket) -> None:
         while True:
@@ -597,6 +638,8 @@ class Coordinator:
     def _on_join(self, identity: bytes, msg: Join, now: float) -> None:
         s = self._state
         node = msg.node_id
+        if self._queued:
+            self._queued_joins.add(node)
         s.members[node] = membership.Member(node, msg.local_world_size, msg.addr, msg.rank_hint)
         s.standby_ports[node] = msg.standby_port
         s.replica_ports[node], s.held[node] = msg.replica_port, msg.held

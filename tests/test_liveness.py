@@ -375,6 +375,66 @@ def test_a_node_that_stood_down_leaves_its_standby_socket_to_the_successor_it_ma
         ctx.destroy(linger=0)
 
 
+def test_joins_queued_on_a_successors_standby_from_connections_since_closed_take_no_seat(caplog):
+    """A spare cut off from the coordinator followed b, the first successor, and joined at
+    b's standby socket while b still followed the coordinator; then it went on, and its
+    connection closed. Survivor c did the same when the coordinator died, and died too.
+    ZeroMQ still hands b both joins when b takes over: taken as they stood, the spare held a
+    seat its assign never reached and c counted as back, and b's ranks waited for theirs
+    until the liveness timeout. The spare's join is forgotten; c's machine refuses a probe:
+    c is lost at once, for its closed connection."""
+    import logging
+
+    from ftlaunch_contract.messages import CONTROL, Assign
+    from ftlaunch_contract.protocol import Codec
+    from launcher.coordinator import Coordinator, connection_monitor
+
+    caplog.set_level(logging.WARNING, logger="launcher.coordinator")
+    ctx = zmq.Context()
+    codec = Codec(SECRET)
+    standby, port = bind_router(ctx, "127.0.0.1", 0, NODE_TIMEOUT)
+    closed = ctx.socket(zmq.ROUTER)  # c's standby port, refused once c died
+    closed_port = closed.bind_to_random_port("tcp://127.0.0.1")
+    closed.close(linger=0)
+
+    def join(node: str, seated_epoch: int, standby_port: int = 0):
+        return codec.encode(CONTROL["join"](
+            node_id=node, local_world_size=1, addr="127.0.0.1", standby_port=standby_port,
+            rank_hint=-1, replica_port=0, held=(), restart_count=1, seated_earlier=(),
+            settled_below=-1, seated_epoch=seated_epoch, electorate_epoch=5), 5)
+
+    monitor = connection_monitor(standby, zmq.EVENT_DISCONNECTED)
+    for node, seated_epoch, its_port in (("s", -1, 0), ("c", 5, closed_port)):
+        gone = ctx.socket(zmq.DEALER)
+        gone.connect(f"tcp://127.0.0.1:{port}")
+        gone.send_multipart(join(node, seated_epoch, its_port))
+        gone.close(linger=5000)  # sent, then its connection closes
+        assert monitor.poll(5000), f"{node}'s connection did not close"
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+    standby.disable_monitor()
+    monitor.close(linger=0)
+    b = ctx.socket(zmq.DEALER)  # b's own agent, connected
+    b.setsockopt(zmq.LINGER, 0)
+    b.connect(f"tcp://127.0.0.1:{port}")
+    b.send_multipart(join("b", 5))
+    state = _takeover_state({"b": 0, "c": 1})
+    state.max_nodes, state.expected_count, state.epoch = 3, 2, 5
+    coordinator = Coordinator(standby, SECRET, state, "coordinator node a lost")
+    try:
+        coordinator.start()
+        while True:  # an ack first: the successor serves
+            assert b.poll(int(10 * NODE_TIMEOUT * 1000)), "b got no assign"  # a hang guard
+            if isinstance(word := codec.decode(b.recv_multipart()).body, Assign):
+                break
+        assert (word.group_world_size, [m.node_id for m in word.members]) == (1, ["b"]), word
+        lost = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
+        assert any("node c lost (its agent's connection closed)" in m for m in lost), lost
+        assert "s" not in state.members
+    finally:
+        coordinator.release()
+        ctx.destroy(linger=0)
+
+
 def test_an_agent_whose_own_coordinator_stood_down_before_it_spoke_follows_the_redirect():
     """b is cut off, takes over, and its coordinator learns at the endpoint that the job went
     on, before b's own agent has said a word to it (its ranks were still stopping: the
