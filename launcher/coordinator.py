@@ -404,9 +404,13 @@ class Coordinator:
         followed our predecessor, then went on or died). Taken as they stand, such a spare
         held a seat in our round that its assign never reached, its ranks awaited for the
         liveness timeout, and a dead survivor counted as back. A spare is forgotten (alive,
-        it joins again); a survivor's machine is probed, as for any connection that closed."""
+        it joins again); a survivor's machine is probed, as for any connection that closed.
+        A large job's survivors are not asked (an ack each, ~5 µs: thousands of them would
+        delay the round) and one that died is found silent."""
         s = self._state
-        joined = {node: s.identities[node] for node in self._queued_joins if node in s.identities}
+        small = self._liveness() <= s.node_timeout  # (see membership.liveness_timeout)
+        joined = {node: s.identities[node] for node in self._queued_joins
+                  if node in s.identities and (small or node not in s.group_ranks)}
         self._queued_joins.clear()
         closed = self._unroutable(list(joined.values()))
         for node, identity in sorted(joined.items()):
