@@ -442,13 +442,16 @@ class Coordinator:
         return closed
 
     def _closed_connections(self, monitor: zmq.Socket) -> None:
+        """Every connection last heard on a descriptor that closed is closed: the one on it
+        now, and any before it there. (A peer's last message is often handled after its
+        close, recording a gone connection's descriptor again, which the kernel then gives to
+        the next one: taking only the first found, a death went unseen.)"""
         while True:
             try:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            identity = next((i for i, fd in self._fds.items() if fd == event["value"]), None)
-            if identity is not None:
+            for identity in [i for i, fd in self._fds.items() if fd == event["value"]]:
                 del self._fds[identity]
                 self._beats.pop(identity, None)
                 self._disconnected(identity, time.monotonic())

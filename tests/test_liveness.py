@@ -442,6 +442,82 @@ def test_joins_queued_on_a_successors_standby_from_connections_since_closed_take
         ctx.destroy(linger=0)
 
 
+_TWO_PEERS = """
+import sys, zmq
+from ftlaunch_contract.messages import StatusQuery
+from ftlaunch_contract.protocol import Codec
+port, secret = sys.argv[1], bytes.fromhex(sys.argv[2])
+ctx, codec, peer = zmq.Context(), Codec(secret), None
+for line in sys.stdin:
+    if peer is None:
+        peer = ctx.socket(zmq.DEALER)
+        peer.connect(f"tcp://127.0.0.1:{port}")
+    if line.strip() in ("send", "send, close"):
+        peer.send_multipart(codec.encode(StatusQuery(), 0))
+    if line.strip().endswith("close"):
+        peer.close(linger=5000)
+        peer = None
+    print("ok", flush=True)
+"""
+
+
+def test_a_close_is_not_taken_for_a_gone_connection_on_the_same_descriptor(monkeypatch):
+    """The serving loop reads connection events before messages, so an agent's last message
+    is often handled after its connection's close, recording the descriptor again for a
+    connection that is gone. The kernel gives the next connection the lowest free
+    descriptor (that of the agent restarted on the node, say): its close must still be
+    taken for its own, not for the gone one's, or its death waits the liveness timeout.
+    (The peers live in a child process: only the coordinator's descriptors are ours.)"""
+    from launcher.coordinator import Coordinator, connection_monitor
+
+    ctx = zmq.Context()
+    sock, port = bind_router(ctx, "127.0.0.1", 0, NODE_TIMEOUT)
+    coordinator = Coordinator(sock, SECRET, _takeover_state({"b": 0}))
+    closed: list[bytes] = []
+    monkeypatch.setattr(coordinator, "_disconnected", lambda identity, now: closed.append(identity))
+    monitor = connection_monitor(sock, zmq.EVENT_DISCONNECTED)
+    peers = subprocess.Popen([sys.executable, "-c", _TWO_PEERS, str(port), SECRET.hex()],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def peer(command: str) -> None:
+        peers.stdin.write(command + "\n")
+        peers.stdin.flush()
+        assert peers.stdout.readline() == "ok\n"
+
+    def handled() -> bytes:
+        """The identity of the next message, once handled."""
+        before = set(coordinator._fds)
+        assert sock.poll(5000), "no message"
+        coordinator._drain()
+        [identity] = set(coordinator._fds) - before
+        return identity
+
+    def closing() -> None:
+        assert monitor.poll(5000), "no close"
+        coordinator._closed_connections(monitor)
+
+    try:
+        peer("send")
+        first = handled()
+        descriptor = coordinator._fds[first]
+        peer("send, close")  # its last message and its close come together
+        closing()
+        assert closed == [first]
+        assert handled() == first and coordinator._fds[first] == descriptor  # recorded again
+        peer("send")
+        second = handled()
+        assert coordinator._fds[second] == descriptor, "the kernel gave another descriptor"
+        peer("close")
+        closing()
+        assert second in closed[1:], "the second connection's close was taken for the first's"
+    finally:
+        peers.stdin.close()
+        peers.wait(timeout=10)
+        monitor.close(linger=0)
+        coordinator.close()
+        ctx.destroy(linger=0)
+
+
 def test_an_agent_whose_own_coordinator_stood_down_before_it_spoke_follows_the_redirect():
     """b is cut off, takes over, and its coordinator learns at the endpoint that the job went
     on, before b's own agent has said a word to it (its ranks were still stopping: the
