@@ -406,7 +406,7 @@ class Coordinator:
         liveness timeout, and a dead survivor counted as back. A spare is forgotten (alive,
         it joins again); a survivor's machine is probed, as for any connection that closed.
         A large job's survivors are not asked (an ack each, ~5 µs: thousands of them would
-        delay the round) and one that died is found silent."""
+        delay the round); one that died in that moment is found by its silence."""
         s = self._state
         small = self._liveness() <= s.node_timeout  # (see membership.liveness_timeout)
         joined = {node: s.identities[node] for node in self._queued_joins

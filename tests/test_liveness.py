@@ -386,7 +386,7 @@ def test_joins_queued_on_a_successors_standby_from_connections_since_closed_take
     seat its assign never reached and c counted as back, and b's ranks waited for theirs
     until the liveness timeout. The spare's join is forgotten; c's machine refuses a probe:
     c is lost at once, for its closed connection. (A large job's survivors are not asked:
-    c's seat waits for its silence, as for one that dies once the successor serves.)"""
+    an ack each would delay a round of thousands; c's seat waits for its silence.)"""
     import logging
 
     from ftlaunch_contract.messages import CONTROL, Assign
