@@ -14,6 +14,9 @@ from the others.
                 (ControlPlane._prepare_takeover) or, with --connect-at-takeover, all
                 connecting at once: the last join sent, the round closed and its assigns
                 queued (by the coordinator thread), the first and the last assign received.
+                With --joins-first the survivors' joins wait on the standby socket before
+                the successor serves (they noticed the loss first, as on a cluster, where
+                every survivor's connection closes at once): times from its start.
 
     python scripts/bench_coordinator.py --nodes 1024,4096,8192,16384
 """
@@ -26,6 +29,7 @@ import resource
 import select
 import time
 
+import msgpack
 import zmq
 from bench_rendezvous import coordinator_cpu, roomy_kernel
 
@@ -48,7 +52,7 @@ def state(n):
                     last_call=30.0, join_timeout=600.0, host_node=node(0))
 
 
-def host(n, takeover, conn, cpus, io_threads=1):
+def host(n, takeover, conn, cpus, io_threads=1, joins_first=False):
     """The coordinator's process, alone on ``cpus``, with ``io_threads`` ZeroMQ I/O threads
     (each accepted connection is served by the least loaded one)."""
     os.sched_setaffinity(0, cpus)
@@ -67,6 +71,10 @@ def host(n, takeover, conn, cpus, io_threads=1):
             s.group_ranks[node(i)], s.last_seen[node(i)] = i, now + 3600
         s.phase = RoundPhase.RUNNING
     conn.recv()  # the agents are ready
+    if joins_first:  # they connect and join, then the successor serves
+        conn.send((port, None))
+        conn.recv()
+        now = time.monotonic()
     coordinator = Coordinator(sock, SECRET, s, "coordinator node lost" if takeover else None)
     round_times = []  # the round closed, its assigns queued: the coordinator thread's share
     complete = coordinator._complete_round
@@ -77,11 +85,13 @@ def host(n, takeover, conn, cpus, io_threads=1):
         round_times.append(time.monotonic())
     coordinator._complete_round = timed_round
     coordinator.start()
-    conn.send((port, coordinator._thread.native_id))
+    if not joins_first:
+        conn.send((port, coordinator._thread.native_id))
     conn.recv()  # done
-    conn.send(round_times)
+    conn.send((now, round_times))
 
 
+ASSIGN = msgpack.packb(Assign.TYPE)
 AGENTS_PER_PROCESS = 6000  # each DEALER takes two files: a process may open 20,000 here
 
 
@@ -92,7 +102,8 @@ def dealer(context, port):
     return sock
 
 
-def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False):
+def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False,
+          joins_first=False):
     """Agents ``ids`` of a job of ``n`` in one process on ``cpus``: they beat at their share
     of the job's rate for ``window`` seconds, or join a takeover and wait for their assigns."""
     os.sched_setaffinity(0, cpus)
@@ -110,6 +121,8 @@ def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False)
                 node_id=node(i), local_world_size=8, addr="127.0.0.1", rank_hint=-1,
                 standby_port=1, replica_port=0, held=(), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=5, electorate_epoch=5), 5))
         sent_at, arrived = time.monotonic(), {}
+        if joins_first:
+            conn.send(sent_at)
         # One epoll over ZeroMQ's notification fds (zmq_poll over thousands of sockets costs
         # milliseconds a call), and each message decoded only after the last arrived: on a
         # cluster every agent receives and decodes its own, here one core would serialize it.
@@ -117,11 +130,15 @@ def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False)
         for i, sock in socks.items():
             index[sock.getsockopt(zmq.FD)] = i
             epoll.register(sock.getsockopt(zmq.FD), select.EPOLLIN)
-        while len(arrived) < len(ids) and time.monotonic() < t0 + 120:
+        done = set()  # an assign came (a small job's successor acks the joins it found queued)
+        while len(done) < len(ids) and time.monotonic() < t0 + 120:
             for fd, _ in epoll.poll(0.1):
                 i = index[fd]
                 while socks[i].getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    arrived.setdefault(i, []).append((time.monotonic(), socks[i].recv_multipart()))
+                    frames = socks[i].recv_multipart()
+                    arrived.setdefault(i, []).append((time.monotonic(), frames))
+                    if ASSIGN in frames[0][:32]:  # its type, near the start: no decoding here
+                        done.add(i)
         assigned = {i: next(t for t, frames in got if isinstance(codecs[i].decode(frames).body, Assign))
                     for i, got in arrived.items()}
         conn.send((sent_at, min(assigned.values()), max(assigned.values()), len(assigned)))
@@ -153,13 +170,14 @@ def answer(conn, timeout=300):
 
 
 def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus=1,
-          io_threads=1):
+          io_threads=1, joins_first=False):
     """``cpus``: the first ``coordinator_cpus`` for the coordinator, the others for the
     agents."""
     spawn = mp.get_context("spawn")
     here, there = mp.Pipe()
     proc = spawn.Process(target=host, daemon=True,
-                         args=(n, takeover, there, cpus[:coordinator_cpus], io_threads))
+                         args=(n, takeover, there, cpus[:coordinator_cpus], io_threads,
+                               joins_first))
     proc.start()
     here.send("ready")
     port, thread_id = answer(here)
@@ -170,7 +188,7 @@ def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus
         mine, theirs = mp.Pipe()
         worker = spawn.Process(target=swarm, daemon=True, args=(
             ids[k::procs], n, port, takeover, window, theirs, cpus[coordinator_cpus:],
-            connect_at_takeover))
+            connect_at_takeover, joins_first))
         worker.start()
         swarms.append((worker, mine))
     for _, conn in swarms:
@@ -178,11 +196,16 @@ def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus
     if not connect_at_takeover:
         time.sleep(2.0)  # connected
     t0 = time.monotonic()
-    cpu0 = coordinator_cpu(proc.pid, thread_id)
+    cpu0 = None if thread_id is None else coordinator_cpu(proc.pid, thread_id)
     for _, conn in swarms:
         conn.send(t0)
+    if joins_first:
+        joined = max(answer(conn) for _, conn in swarms)
+        while time.monotonic() < joined + 1.0:  # the survivors' kernels deliver, ZeroMQ queues
+            time.sleep(0.1)
+        here.send("serve")
     reports = [answer(conn) for _, conn in swarms]
-    cpu1, wall = coordinator_cpu(proc.pid, thread_id), time.monotonic() - t0
+    wall = time.monotonic() - t0
     out = {"nodes": n}
     if takeover:
         out["joins_sent_s"] = max(r[0] for r in reports) - t0
@@ -191,12 +214,17 @@ def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus
         out["assigned"] = sum(r[3] for r in reports)
     else:
         out["heartbeats_per_s"] = sum(reports) / wall
+        cpu1 = coordinator_cpu(proc.pid, thread_id)
         for key in ("coordinator_thread", "zmq_io"):
             out[key] = (cpu1[key] - cpu0[key]) / wall
         out["cpu"] = out["coordinator_thread"] + out["zmq_io"]
         out["cpu_us_per_heartbeat"] = 1e6 * out["cpu"] / out["heartbeats_per_s"]
     here.send("done")
-    round_times = here.recv()
+    served_at, round_times = here.recv()
+    if joins_first:  # from the successor's start: the joins were sent before it
+        for key in ("joins_sent_s", "first_assign_s", "all_assigned_s"):
+            out[key] -= served_at - t0
+        t0 = served_at
     if takeover and round_times:
         out["round_closed_s"], out["assigns_queued_s"] = (t - t0 for t in round_times[:2])
     proc.kill()
@@ -213,6 +241,9 @@ def main():
                    help="survivors connect to the successor as they join (no connection "
                         "opened beforehand)")
     p.add_argument("--takeover-only", action="store_true", help="skip the heartbeats")
+    p.add_argument("--joins-first", action="store_true",
+                   help="the survivors' joins wait on the standby socket before the successor "
+                        "serves; times from its start")
     p.add_argument("--coordinator-cpus", type=int, default=1,
                    help="CPUs of the coordinator's process (its thread and ZeroMQ's I/O "
                         "thread: 2 lets them run side by side, as on a real node 0)")
@@ -238,7 +269,7 @@ def main():
                                                        coordinator_cpus=args.coordinator_cpus,
                                                        io_threads=args.io_threads)
             tk = bench(n, True, 0, cpus, args.connect_at_takeover, args.coordinator_cpus,
-                       args.io_threads)
+                       args.io_threads, args.joins_first)
         beats = "| - | - | - " if hb is None else (
             f"| {hb['heartbeats_per_s']:.0f} | {100 * hb['cpu']:.1f} % "
             f"({100 * hb['coordinator_thread']:.1f} + {100 * hb['zmq_io']:.1f}) | "

@@ -80,6 +80,19 @@ def test_the_coordinator_bench_runs_its_smallest_job_through():
     assert "| 32 | " in done.stdout and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
+def test_the_coordinator_bench_can_queue_the_joins_before_the_successor_serves():
+    """--joins-first: the survivors' joins wait on the standby socket (a small job's
+    successor then acks each, finding those whose connections closed), and the times count
+    from the successor's start: the joins were sent before it, and every assign arrives."""
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_coordinator.py"), "--nodes", "32",
+                           "--takeover-only", "--joins-first"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| 32 | "))
+    joins_sent, _, _, first, last = (float(cell) for cell in row.strip("| ").split(" | ")[4:])
+    assert joins_sent < 0 < first <= last, row
+
+
 def test_the_rendezvous_bench_runs_every_fault_through_at_24_agents(tmp_path):
     """bench_rendezvous.py simulates agents with real ControlPlanes, which must keep what an
     agent keeps (its seats: past the 16 an assign names, a successor counts by them):
