@@ -29,6 +29,7 @@ fi
 OUT="${1:-${OUT:-/tmp/device_check}}"
 STEPS=" ${STEPS:-1 2 3 4 5 6} "
 step() { [[ "$STEPS" == *" $1 "* ]]; }
+WORK="$(mktemp -d)"  # the job's logs and checkpoints: $OUT keeps one file a check (8 come back)
 mkdir -p "$OUT"
 cd "$ROOT"
 "$PY" -c "import launcher, torch, zmq; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'zmq', zmq.zmq_version())"
@@ -61,9 +62,9 @@ assert all(torch.equal(out[k], state[k].cpu()) for k in state)
 print("bitwise equal")
 PY
 step 4 && TRAIN_FAULT_RANK=1 TRAIN_FAULT_STEP=30 TRAIN_FAULT_KIND=kill timeout 300 \
-  "$PY" -m launcher --standalone --nproc-per-node 2 --log-dir "$OUT/logs" \
+  "$PY" -m launcher --standalone --nproc-per-node 2 --log-dir "$WORK/logs" \
   scripts/train_gpt.py --shim --cuda --async-ckpt --steps 60 --ckpt-every 10 \
-  --ckpt-dir "$OUT/ckpt" \
+  --ckpt-dir "$WORK/ckpt" \
   2>&1 | grep -v " loss " | tee "$OUT/recovery.txt"
 if step 5 && [ "$(nproc)" -ge 8 ]; then
   for shape in 1:1 2:1 4:3; do  # coordinator CPUs : I/O threads
