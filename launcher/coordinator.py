@@ -254,6 +254,7 @@ class Coordinator:
         self._probes: dict[str, Probe] = {}  # a member whose connection closed while heard
         self._knocks: dict[str, Knocks] = {}  # at silent members' standby ports (_knock)
         self._said_late: set[str] = set()  # silent members logged as answering
+        self._hosting: dict[str, float] = {}  # members that announced a takeover, and when
         self._poller: zmq.Poller | None = None  # the serving loop's, once it runs
         self._announcers: dict[zmq.Socket, str] = {}  # to each endpoint, a socket
         self._announcement = announce[1] if announce else None
@@ -704,7 +705,9 @@ class Coordinator:
             if msg.coordinator_node not in s.group_ranks:
                 # A node we lost took over from inside a partition: the job runs here.
                 self._send(identity, Redirect(coordinator_node=s.host_node, addr="", port=0))
-            return  # (a member announcing: we were frozen, not it; its own beats tell it)
+            else:  # a member took over from us (we were cut off, or frozen): its silence
+                self._hosting[msg.coordinator_node] = now  # decides, its knocks do not
+            return
         # A successor knows the job's epoch: an older announcement is stale (chaos seed
         # 3011: one its standby socket had queued, from a successor since dead).
         behind = epoch < (s.redirect_epoch if s.redirect is not None else
@@ -971,6 +974,11 @@ class Coordinator:
         for node in silent:
             silence = now - s.last_seen[node]
             unanswered = now - max(self._knock(node, now), s.last_seen[node])
+            if self._hosting.get(node, -1e9) > s.last_seen[node]:
+                # It announced itself coordinator since we heard it: its agent follows
+                # itself, not a stalled one of ours (chaos 2-node seed 3900: a cut-off
+                # coordinator, healed, held its successor's round twice the timeout).
+                unanswered = silence
             if membership.lost_by_silence(silence, unanswered, liveness):
                 if node in self._knocks and unanswered < silence:
                     log.warning("node %s: its machine last answered a knock %.1fs ago", node,
@@ -1163,7 +1171,7 @@ class Coordinator:
             log.warning("node %s lost: no heartbeat for %.1fs", node, now - s.last_seen[node])
             cause = f"node {node} lost (no heartbeat for {self._liveness():g}s)"
         for table in (s.members, s.standby_ports, s.identities, s.last_seen, s.held,
-                      s.replica_ports):
+                      s.replica_ports, self._hosting):
             table.pop(node, None)
         s.round_joined.discard(node)
         s.back.discard(node)

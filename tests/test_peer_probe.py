@@ -172,3 +172,36 @@ def test_a_silent_member_whose_machine_answers_knocks_is_lost_only_at_twice_the_
         if listener is not None:
             listener.close()
         ctx.term()
+
+
+def test_a_silent_member_that_announced_a_takeover_is_lost_at_the_timeout_though_it_answers():
+    """a, cut off, was healed; b took over meanwhile and announces itself to a. b's agent
+    follows its own coordinator, so b's machine answering a's knocks tells nothing of a
+    stall: lost at the liveness timeout, not twice it (chaos 2-node seed 3900: a's round of
+    a and b held b's 5.5 s, its own half of the job waiting until a let go)."""
+    from ftlaunch_contract.messages import Redirect
+    from ftlaunch_contract.protocol import Envelope
+
+    coordinator, _ = _two_nodes_joined({"a": (), "b": ()})
+    _running(coordinator)
+    state, liveness = coordinator._state, coordinator._liveness()
+    ctx = zmq.Context()
+    router, port = _zmq_router(ctx)
+    state.members["b"] = dataclasses.replace(state.members["b"], addr="127.0.0.1")
+    state.standby_ports["b"] = port
+    heard = state.last_seen["b"]
+    try:
+        knocking = heard + 0.6 * liveness
+        coordinator._tick(knocking)
+        end = time.monotonic() + 5
+        while coordinator._knock("b", knocking) < 0:
+            assert time.monotonic() < end, "the knock was never answered"
+            select.select(coordinator._knocks["b"].fds, [], [], 0.05)
+        coordinator._handle(b"b-announcer", Envelope(state.epoch, Redirect(
+            coordinator_node="b", addr="127.0.0.1", port=port)), heard + 0.7 * liveness)
+        assert state.redirect is None, "a keeps its round until b is lost"
+        coordinator._tick(heard + 1.1 * liveness)
+        assert "b" not in state.group_ranks, "b hosts the job, and a waited on its knocks"
+    finally:
+        router.close()
+        ctx.term()
