@@ -250,6 +250,8 @@ class Coordinator:
         self._thread = threading.Thread(target=self._serve, name="ftlaunch-coordinator",
                                         daemon=True)
         self._fds: dict[bytes, int] = {}  # a peer's connection (its file descriptor)
+        self._closed_unheard: set[int] = set()  # closes no message had named, this drain
+        self._heard_after_close: set[bytes] = set()  # connections first heard on those
         self._beats: dict[bytes, tuple[float, float]] = {}  # a connection's last ack and beat
         self._probes: dict[str, Probe] = {}  # a member whose connection closed while heard
         self._knocks: dict[str, Knocks] = {}  # at silent members' standby ports (_knock)
@@ -446,13 +448,17 @@ class Coordinator:
         """Every connection last heard on a descriptor that closed is closed: the one on it
         now, and any before it there. (A peer's last message is often handled after its
         close, recording a gone connection's descriptor again, which the kernel then gives to
-        the next one: taking only the first found, a death went unseen.)"""
+        the next one: taking only the first found, a death went unseen.) A close no message
+        named yet is kept until the queue is emptied: the peer's first words may wait there."""
         while True:
             try:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            for identity in [i for i, fd in self._fds.items() if fd == event["value"]]:
+            closed = [i for i, fd in self._fds.items() if fd == event["value"]]
+            if not closed:
+                self._closed_unheard.add(event["value"])
+            for identity in closed:
                 del self._fds[identity]
                 self._beats.pop(identity, None)
                 self._disconnected(identity, time.monotonic())
@@ -498,6 +504,25 @@ class Coordinator:
         """Handle the messages already queued, at most DRAIN_BATCH: under a stream faster
         than we keep up with, the round's completion and the liveness tick still run.
         Whether the queue was emptied."""
+        emptied = self._drain_batch()
+        if self._heard_after_close:
+            self._first_words_of_the_closed(time.monotonic())
+        if emptied:
+            self._closed_unheard.clear()
+        return emptied
+
+    def _first_words_of_the_closed(self, now: float) -> None:
+        """Peers first heard on a descriptor whose close came before their words (an agent
+        that joined and died at once: its close named no connection yet). Those whose
+        connection is gone closed like any other (_disconnected); one that the kernel gave
+        the descriptor since is open, and only acked."""
+        identities, self._heard_after_close = self._heard_after_close, set()
+        for identity in sorted(self._unroutable(sorted(identities))):
+            self._fds.pop(identity, None)
+            self._beats.pop(identity, None)
+            self._disconnected(identity, now)
+
+    def _drain_batch(self) -> bool:
         for _ in range(DRAIN_BATCH):
             try:  # one zmq.Again a wake-up (a large job's serve several messages: see pace)
                 parts = [self._socket.recv(_NOBLOCK, copy=False)]
@@ -512,7 +537,9 @@ class Coordinator:
                 received = self._codec.decode([p.bytes for p in parts[1:]])
                 # Its connection, once it proved it holds the secret: a forged message from a
                 # connection that then closes must not make a member look dead.
-                self._fds[identity] = parts[1].get(zmq.SRCFD)
+                self._fds[identity] = fd = parts[1].get(zmq.SRCFD)
+                if fd in self._closed_unheard:
+                    self._heard_after_close.add(identity)
                 self._handle(identity, received, time.monotonic())
             except ProtocolError as e:
                 log.warning("dropped control message: %s", e)

@@ -518,6 +518,62 @@ def test_a_close_is_not_taken_for_a_gone_connection_on_the_same_descriptor(monke
         ctx.destroy(linger=0)
 
 
+_JOIN_AND_DIE = """
+import sys, zmq
+from ftlaunch_contract.messages import CONTROL
+from ftlaunch_contract.protocol import Codec
+port, secret, standby = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3])
+peer = zmq.Context().socket(zmq.DEALER)
+peer.connect(f"tcp://127.0.0.1:{port}")
+peer.send_multipart(Codec(secret).encode(CONTROL["join"](
+    node_id="s", local_world_size=1, addr="127.0.0.1", standby_port=standby, rank_hint=-1,
+    replica_port=0, held=(), restart_count=0, seated_earlier=(), settled_below=-1,
+    seated_epoch=-1, electorate_epoch=-1), 0))
+peer.close(linger=5000)
+"""
+
+
+def test_an_agent_that_dies_right_after_its_first_join_is_lost_at_once(caplog):
+    """The serving loop reads connection events before messages: the close of an agent
+    that joined and died at once named no connection yet (its join still queued), and
+    the join then seated a dead node, found only by its silence. A close no message named
+    is kept until the queue is emptied; the first words heard on that descriptor are
+    checked (a mandatory ack), and a connection that is gone closed like any: its
+    machine refuses a probe, lost at once."""
+    import logging
+
+    from launcher.coordinator import Coordinator, connection_monitor
+
+    caplog.set_level(logging.WARNING, logger="launcher.coordinator")
+    ctx = zmq.Context()
+    sock, port = bind_router(ctx, "127.0.0.1", 0, NODE_TIMEOUT)
+    state = _takeover_state({"b": 0})
+    coordinator = Coordinator(sock, SECRET, state)
+    monitor = connection_monitor(sock, zmq.EVENT_DISCONNECTED)
+    refused = ctx.socket(zmq.ROUTER)  # s's standby port, closed with its agent
+    refused_port = refused.bind_to_random_port("tcp://127.0.0.1")
+    refused.close(linger=0)
+    try:
+        subprocess.run([sys.executable, "-c", _JOIN_AND_DIE, str(port), SECRET.hex(),
+                        str(refused_port)], check=True, timeout=30)
+        assert monitor.poll(5000), "no close"
+        coordinator._closed_connections(monitor)  # first, as the serving loop does
+        assert sock.poll(5000), "the join is not queued"
+        coordinator._drain()
+        end = time.monotonic() + 5
+        while coordinator._probes:
+            assert time.monotonic() < end, "the probe never answered"
+            select.select([p.fd for p in coordinator._probes.values()], [], [], 0.05)
+            coordinator._probes_answered(time.monotonic())
+        assert "s" not in state.members, "a dead agent's join kept it a member"
+        assert any("node s lost (its agent's connection closed)" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        monitor.close(linger=0)
+        coordinator.close()
+        ctx.destroy(linger=0)
+
+
 def test_an_agent_whose_own_coordinator_stood_down_before_it_spoke_follows_the_redirect():
     """b is cut off, takes over, and its coordinator learns at the endpoint that the job went
     on, before b's own agent has said a word to it (its ranks were still stopping: the
