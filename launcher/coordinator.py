@@ -419,10 +419,10 @@ class Coordinator:
         for node, identity in sorted(joined.items()):
             if identity not in closed:
                 continue
-            self._fds.pop(identity, None)  # its descriptor may be another connection's now
             if node in s.group_ranks:
-                self._disconnected(identity, now)
+                self._connection_gone(identity, now)
             else:
+                self._fds.pop(identity, None)  # its descriptor may be another connection's
                 self._lose(node, now, f"node {node}: its join came on a connection closed "
                            "before this coordinator served; forgotten", silent=True)
 
@@ -459,9 +459,14 @@ class Coordinator:
             if not closed:
                 self._closed_unheard.add(event["value"])
             for identity in closed:
-                del self._fds[identity]
-                self._beats.pop(identity, None)
-                self._disconnected(identity, time.monotonic())
+                self._connection_gone(identity, time.monotonic())
+
+    def _connection_gone(self, identity: bytes, now: float) -> None:
+        """Forget a closed connection's descriptor (the kernel gives it to the next one) and
+        its heartbeat cadence, then judge its node as for any close (_disconnected)."""
+        self._fds.pop(identity, None)
+        self._beats.pop(identity, None)
+        self._disconnected(identity, now)
     def _announce(self) -> None:
         if self._announcement is None or self._state.final is not None \
                 or self._state.redirect is not None:
@@ -518,9 +523,7 @@ class Coordinator:
         the descriptor since is open, and only acked."""
         identities, self._heard_after_close = self._heard_after_close, set()
         for identity in sorted(self._unroutable(sorted(identities))):
-            self._fds.pop(identity, None)
-            self._beats.pop(identity, None)
-            self._disconnected(identity, now)
+            self._connection_gone(identity, now)
 
     def _drain_batch(self) -> bool:
         for _ in range(DRAIN_BATCH):

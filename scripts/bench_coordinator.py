@@ -201,8 +201,7 @@ def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus
         conn.send(t0)
     if joins_first:
         joined = max(answer(conn) for _, conn in swarms)
-        while time.monotonic() < joined + 1.0:  # the survivors' kernels deliver, ZeroMQ queues
-            time.sleep(0.1)
+        time.sleep(max(0.0, joined + 1.0 - time.monotonic()))  # delivered and queued by then
         here.send("serve")
     reports = [answer(conn) for _, conn in swarms]
     wall = time.monotonic() - t0
