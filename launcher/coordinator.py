@@ -467,6 +467,7 @@ class Coordinator:
         self._fds.pop(identity, None)
         self._beats.pop(identity, None)
         self._disconnected(identity, now)
+
     def _announce(self) -> None:
         if self._announcement is None or self._state.final is not None \
                 or self._state.redirect is not None:
@@ -785,10 +786,18 @@ class Coordinator:
         s = self._state
         s.gone |= {node for node in s.leaving if self._votes(node)}  # they train nowhere
         for node in s.leaving:
-            if s.group_ranks.pop(node, None) is not None:
-                s.expected.discard(node)
-                s.expected_count = max(0, s.expected_count - 1)
+            s.group_ranks.pop(node, None)
+            self._uncount(node)
         s.leaving.clear()
+
+    def _uncount(self, node: str) -> None:
+        """A survivor the round waits for will not come: one seat fewer to wait for. A
+        spare or newcomer lost meanwhile was never counted (a large takeover's count of its
+        unnamed survivors would fall short: one left out, to come back as a scale-up)."""
+        s = self._state
+        if node in s.expected:
+            s.expected.discard(node)
+            s.expected_count = max(0, s.expected_count - 1)
 
     # --- decisions -----------------------------------------------------------------------
 
@@ -1213,7 +1222,6 @@ class Coordinator:
             del s.group_ranks[node]
             if in_round:
                 self._recover_from(cause, now)
-        s.expected.discard(node)
-        s.expected_count = max(0, s.expected_count - 1)
+        self._uncount(node)
         if s.phase == RoundPhase.JOINING:  # lost while a round forms: a spare takes its seat
             self._seat_spares(now)

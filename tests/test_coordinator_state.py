@@ -558,6 +558,48 @@ def test_a_takeovers_survivors_not_named_by_the_assign_keep_their_seats():
     assert sorted(state.group_ranks) == [*nodes[1:], "s1"], "s2 waits; no survivor dropped"
 
 
+@pytest.mark.parametrize("how", ["died", "left"])
+def test_a_spare_lost_while_a_large_takeovers_round_forms_leaves_the_survivors_count(how):
+    """20 nodes at their maximum lose the coordinator's; the successor counts 19 survivors,
+    15 by name. A spare joins first (the lost node's seat), then dies or leaves before they
+    come: it was no survivor, so the count stays 19 and the round waits for n19 too (it
+    used to count 18, close without n19, who came back as a scale-up: one more round)."""
+    nodes = [f"n{i:02}" for i in range(20)]
+    coordinator = _large_takeover(nodes, 3, gone={"n00"})
+    state = coordinator._state
+    _join_round(coordinator, "s1", seated_epoch=-1, now=1.1)
+    assert "s1" in state.round_joined
+    if how == "died":
+        coordinator._connection_closed("s1", Verdict.DIED, 1.15)
+    else:
+        coordinator._on_leaving("s1", CONTROL["leave"](node_id="s1", exit_code=143,
+                                                       reason="SIGTERM"), 1.15)
+    assert state.expected_count == 19
+    for node in nodes[1:19]:
+        _join_round(coordinator, node, seated_epoch=3, now=1.2)
+    coordinator._tick(1.3)
+    assert state.phase == "joining", "n19, a survivor, is still to come"
+    _join_round(coordinator, "n19", seated_epoch=3, now=1.4)
+    coordinator._tick(1.5)
+    assert state.phase == "waiting_store" and sorted(state.group_ranks) == nodes[1:]
+
+
+def test_an_unnamed_survivor_that_leaves_while_a_large_takeovers_round_forms_is_not_waited_for():
+    """As above; n19, a survivor no assign named, joins and then is stopped (a pod
+    deleted): the round closes once the 18 others are back, not at the last call."""
+    nodes = [f"n{i:02}" for i in range(20)]
+    coordinator = _large_takeover(nodes, 3, gone={"n00"})
+    state = coordinator._state
+    state.last_call = 30.0
+    _join_round(coordinator, "n19", seated_epoch=3, now=1.1)
+    coordinator._on_leaving("n19", CONTROL["leave"](node_id="n19", exit_code=143,
+                                                    reason="SIGTERM"), 1.15)
+    for node in nodes[1:19]:
+        _join_round(coordinator, node, seated_epoch=3, now=1.2)
+    coordinator._tick(1.3)
+    assert state.phase == "waiting_store" and sorted(state.group_ranks) == nodes[1:19]
+
+
 def _large_takeover(nodes: list[str], epoch: int, **fields) -> Coordinator:
     """n01's coordinator, taking over ``nodes``' job from n00 at ``epoch`` as
     ControlPlane.fail_over starts it: it knows the 16 first by name, counts the others."""
