@@ -44,6 +44,7 @@ from launcher.peer_probe import Knocks, Probe, Verdict, no_death
 
 log = logging.getLogger("ftlaunch.control")
 
+
 def job_secret(secret_file: str | None, rdzv_id: str, single_node: bool) -> bytes:
     """The per-job key for message signatures: FTLAUNCH_SECRET, --secret-file, or a default."""
     if os.environ.get("FTLAUNCH_SECRET"):

@@ -35,6 +35,7 @@ from launcher.hang_detection import HangTimeouts, RankActivity, hung_ranks
 
 log = logging.getLogger("ftlaunch.hub")
 
+
 @dataclass
 class RankLink:
     """One rank process as the hub knows it."""
