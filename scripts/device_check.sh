@@ -73,8 +73,13 @@ if step 5 && [ "$(nproc)" -ge 8 ]; then
       --coordinator-cpus "$cpus" --io-threads "$io" 2>&1 \
       | tee "$OUT/coordinator_16384_cpus${cpus}_io$io.txt"
   done
-  timeout 300 "$PY" scripts/bench_coordinator.py --nodes 16384 --takeover-only --joins-first \
-    --coordinator-cpus 2 2>&1 | tee "$OUT/coordinator_16384_joins_first.txt"
+  for shape in 2:1 4:3; do  # the takeover's share with its I/O spread over more threads
+    cpus="${shape%:*}" io="${shape#*:}"
+    echo "coordinator CPUs $cpus, I/O threads $io" | tee -a "$OUT/coordinator_16384_joins_first.txt"
+    timeout 300 "$PY" scripts/bench_coordinator.py --nodes 16384 --takeover-only --joins-first \
+      --coordinator-cpus "$cpus" --io-threads "$io" 2>&1 \
+      | tee -a "$OUT/coordinator_16384_joins_first.txt"
+  done
 fi
 if step 6 && [ "$(nproc)" -ge 8 ]; then
   timeout 420 "$PY" scripts/bench_rendezvous.py --sizes 16384 --torch-max 0 \
