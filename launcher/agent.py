@@ -295,8 +295,9 @@ class Agent:
             self._recover(msg)
 
     def _recover(self, msg: messages.Recover) -> None:
-        """Tell re-enterable survivors to leave their training function (PARKING), then
-        stop the others (STOPPING), back off and re-join."""
+        """Tell re-enterable survivors to leave their training function (PARKING): a
+        ``rank`` restart keeps those that did, any other stops them with the rest
+        (STOPPING); those stuck on the way are killed at once. Then back off and re-join."""
         self.recovery = self.recovery or PhaseClock()
         self.recovery.mark("decide")
         self.order, self.policy = msg, msg.policy
@@ -306,12 +307,12 @@ class Agent:
                          cause=msg.cause, policy=msg.policy, restart_count=msg.restart_count,
                          delay=msg.delay)
         now = self.clock()
-        deadline = now + (self.config.stop_timeout if self.policy == "rank" else 0.0)
+        deadline = now + self.config.stop_timeout
         if self.phase == Phase.PARKING:  # a newer order of the same recovery
             self.deadline = deadline
         else:
             self._enter(Phase.PARKING, deadline)
-        for pid in node_policy.to_abort(self._survivors(), self.policy):
+        for pid in node_policy.to_abort(self._survivors()):
             self.hub.send(pid, messages.Abort())
         self._try_park(now)
 

@@ -75,10 +75,13 @@ class Survivor:
     stuck: str = ""  # where it is blocked instead of leaving ("": not known to be)
 
 
-def to_abort(survivors: Sequence[Survivor], policy: str) -> list[int]:
-    """The pids told to leave their training function: only a ``rank`` recovery keeps
-    processes, and only those that can re-enter in place and have not parked yet."""
-    return [s.pid for s in survivors if policy == "rank" and s.restartable and not s.parked]
+def to_abort(survivors: Sequence[Survivor]) -> list[int]:
+    """The pids told to leave their training function: those that can re-enter in place
+    and have not parked yet. A ``rank`` recovery keeps them; any other stops them once
+    they left, where a SIGTERM can end them (a handler the script armed, ft.preempted()'s,
+    cannot run while the rank waits in native code: a gloo collective whose peer is cut
+    off), or once their shims say where they are stuck, to be killed at once."""
+    return [s.pid for s in survivors if s.restartable and not s.parked]
 
 
 @dataclass(frozen=True)
@@ -93,18 +96,19 @@ class ParkVerdict:
 def park_or_stop(survivors: Sequence[Survivor], policy: str, now: float,
                  deadline: float) -> ParkVerdict | None:
     """Once every re-enterable survivor parked, or is stuck (blocked where an abort cannot
-    reach it), or ``deadline`` passed: which to keep, which to stop. None while one may
-    still park. Those that could have parked and did not are late: stopped at once (SIGKILL:
-    a rank blocked in native code would not run a SIGTERM handler either)."""
+    reach it), or ``deadline`` passed: which to keep (a ``rank`` recovery's parked ones),
+    which to stop. None while one may still park. Those that could have parked and did not
+    are late: stopped at once (SIGKILL: a rank blocked in native code would not run a
+    SIGTERM handler either)."""
     keep, stop, late, blocked_in = [], [], [], []
     for s in survivors:
         if s.parked and policy == "rank":
             keep.append(s.pid)
-        elif s.restartable and not s.stuck and now < deadline and policy == "rank":
+        elif s.restartable and not s.parked and not s.stuck and now < deadline:
             return None  # still leaving its training function
         else:
             stop.append(s.pid)
-            if s.restartable and policy == "rank":
+            if s.restartable and not s.parked:
                 late.append(s.rank)
                 blocked_in.append(s.stuck)
     if any(blocked_in):

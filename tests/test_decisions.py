@@ -25,7 +25,7 @@ from launcher.membership import (
     seats_to_report,
     settled,
 )
-from launcher.node_policy import Survivor, park_or_stop
+from launcher.node_policy import Survivor, park_or_stop, to_abort
 from launcher.rank_env import Attempt, rank_command, rank_env
 
 # --- membership.assign_ranks ----------------------------------------------------------------
@@ -484,6 +484,26 @@ def test_a_survivor_stuck_in_native_code_is_replaced_without_waiting_for_the_dea
     assert park_or_stop([stuck, parked, leaving], "rank", now=0.0, deadline=60.0) is None
     late = park_or_stop([stuck, parked, leaving], "rank", now=60.0, deadline=60.0)
     assert late is not None and late.late == (0, 2) and late.blocked_in == (stuck.stuck, "")
+
+
+@pytest.mark.parametrize("policy", ["job", "cold"])
+def test_a_whole_job_restart_stops_survivors_once_they_left_or_are_stuck(policy):
+    """Every rank goes, yet re-enterable ones are asked to leave first: left, a SIGTERM ends
+    them (ft.preempted()'s handler runs); stuck in native code, it would not: killed at
+    once. A script without the shim is stopped as ever (SIGTERM's default action)."""
+    parked = Survivor(pid=11, rank=1, restartable=True, parked=True)
+    leaving = Survivor(pid=12, rank=2, restartable=True, parked=False)
+    plain = Survivor(pid=13, rank=3, restartable=False, parked=False)
+    assert to_abort([parked, leaving, plain]) == [12]
+    assert park_or_stop([parked, leaving, plain], policy, now=0.0, deadline=2.0) is None
+    stuck = Survivor(pid=12, rank=2, restartable=True, parked=False, stuck="native code")
+    verdict = park_or_stop([parked, stuck, plain], policy, now=0.0, deadline=2.0)
+    assert verdict is not None and verdict.keep == () and verdict.stop == (11, 12, 13)
+    assert verdict.late == (2,) and verdict.blocked_in == ("native code",)
+    left = park_or_stop([parked, plain], policy, now=0.0, deadline=2.0)
+    assert left is not None and (left.keep, left.stop, left.late) == ((), (11, 13), ())
+    late = park_or_stop([parked, leaving, plain], policy, now=2.0, deadline=2.0)
+    assert late is not None and late.late == (2,) and late.blocked_in == ("",)
 
 
 @given(st.integers(1, 64), st.data())
