@@ -229,6 +229,40 @@ print(link._window(), trainer_shim.state_dict()["step_interval"], flush=True)
 """
 
 
+SLOW_STEP = """\
+import os, types
+import zmq
+from ftlaunch_contract import environment
+
+hub = zmq.Context().socket(zmq.ROUTER)
+hub.bind(os.environ[environment.HUB])
+import trainer_shim
+
+clock = [100.0]
+trainer_shim.time = types.SimpleNamespace(monotonic=lambda: clock[0])  # steps of our choosing
+for step, seconds in enumerate([0.0625] * 8 + [1.5]):  # a slow step last (a save, a retransmit)
+    trainer_shim.heartbeat(step)
+    clock[0] += seconds
+trainer_shim.heartbeat(9)
+print(trainer_shim._link._window(), trainer_shim.state_dict(), flush=True)
+"""
+
+
+def test_one_slow_step_does_not_stretch_the_window_in_which_a_rank_is_found_stuck(tmp_path):
+    """The window is two steps, a step as the last heartbeats tell it: the last interval
+    alone made one 1.5 s step a 3 s window, past the 2 s --stop-timeout, and a survivor
+    idle in a collective after a partition was killed late instead of at once (chaos seed
+    4501). The median of the last eight is the pace; the longest is still learnt."""
+    done = subprocess.run([sys.executable, "-c", SLOW_STEP], cwd=ROOT, timeout=60,
+                          capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                               "FTLAUNCH_HUB": f"ipc://{tmp_path}/hub",
+                               "FTLAUNCH_RUN_ID": "pace-test"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0.125 {'longest_heartbeat_interval': 1.5, 'step_interval': 0.0625}", \
+        done.stdout
+
+
 def test_a_rank_restored_from_a_checkpoint_takes_its_stuck_window_from_the_saved_pace(tmp_path):
     """A rank forked as a replacement has stepped too few times to know its pace, and told to
     leave in its first step would wait the unpaced second before saying it is stuck in a

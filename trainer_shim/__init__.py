@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -69,7 +70,12 @@ _last_beat = 0.0  # last heartbeat sent
 _last_call = 0.0  # last heartbeat() call
 _last_step = -1  # the highest step heartbeat() was given, sent or throttled away
 _longest_interval = 0.0  # between calls: what --hang-timeout-factor learns from
-_step_interval = 0.0  # between the last two calls: about a step
+_step_interval = 0.0  # the median of _intervals: about a step
+_intervals: deque[float] = deque(maxlen=8)  # between the last calls
+"""A step's length, as told by its heartbeats: the median of the last few, so that one slow
+step (a save, a retransmit under packet loss) does not stretch the window in which an aborted
+rank idle in native code is found stuck past --stop-timeout (chaos seed 4501: a 1.5 s step
+before a partition, a 3 s window, a survivor killed late at the 2 s timeout)."""
 
 
 def heartbeat(step: int | None = None) -> None:
@@ -81,8 +87,9 @@ def heartbeat(step: int | None = None) -> None:
         _last_step = max(_last_step, int(step))
     now = time.monotonic()
     if _last_call:
-        _link.pace = _step_interval = now - _last_call
-        _longest_interval = max(_longest_interval, _step_interval)
+        _intervals.append(now - _last_call)
+        _longest_interval = max(_longest_interval, _intervals[-1])
+        _link.pace = _step_interval = sorted(_intervals)[(len(_intervals) - 1) // 2]
     _last_call = now
     if now - _last_beat >= MIN_BEAT_INTERVAL:
         _last_beat = now
