@@ -248,17 +248,23 @@ print(trainer_shim._link._window(), trainer_shim.state_dict(), flush=True)
 """
 
 
-def test_one_slow_step_does_not_stretch_the_window_in_which_a_rank_is_found_stuck(tmp_path):
-    """The window is two steps, a step as the last heartbeats tell it: the last interval
-    alone made one 1.5 s step a 3 s window, past the 2 s --stop-timeout, and a survivor
-    idle in a collective after a partition was killed late instead of at once (chaos seed
-    4501). The median of the last eight is the pace; the longest is still learnt."""
-    done = subprocess.run([sys.executable, "-c", SLOW_STEP], cwd=ROOT, timeout=60,
+def _as_a_managed_rank(script: str, tmp_path) -> subprocess.CompletedProcess:
+    """Run ``script`` as a rank its agent's hub manages (the script binds the hub)."""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, timeout=60,
                           capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
                                "FTLAUNCH_HUB": f"ipc://{tmp_path}/hub",
                                "FTLAUNCH_RUN_ID": "pace-test"})
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_one_slow_step_does_not_stretch_the_window_in_which_a_rank_is_found_stuck(tmp_path):
+    """The window is two steps, a step as the last heartbeats tell it: the last interval
+    alone made one 1.5 s step a 3 s window, past the 2 s --stop-timeout, and a survivor
+    idle in a collective after a partition was killed late instead of at once (chaos seed
+    4501). The median of the last eight is the pace; the longest is still learnt."""
+    done = _as_a_managed_rank(SLOW_STEP, tmp_path)
     assert done.stdout.strip() == "0.125 {'longest_heartbeat_interval': 1.5, 'step_interval': 0.0625}", \
         done.stdout
 
@@ -268,10 +274,5 @@ def test_a_rank_restored_from_a_checkpoint_takes_its_stuck_window_from_the_saved
     leave in its first step would wait the unpaced second before saying it is stuck in a
     collective (chaos seed 1450: a recovery of 1.04 s). The pace saved with the shim's state
     gives it two steps' window from the start."""
-    done = subprocess.run([sys.executable, "-c", RESTORED_PACE], cwd=ROOT, timeout=60,
-                          capture_output=True, text=True,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
-                               "FTLAUNCH_HUB": f"ipc://{tmp_path}/hub",
-                               "FTLAUNCH_RUN_ID": "pace-test"})
-    assert done.returncode == 0, done.stderr
+    done = _as_a_managed_rank(RESTORED_PACE, tmp_path)
     assert done.stdout.splitlines() == ["True", "0.3", "0.3 0.15"], done.stdout

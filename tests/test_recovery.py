@@ -206,34 +206,19 @@ def test_no_progress_escalates_up_the_ladder_then_stops_do_not_requeue(tmp_path,
     assert "no progress" in failed[0]["reason"], run.output
 
 
+@pytest.mark.parametrize("policy", ["rank", "job"])
 def test_survivor_that_cannot_leave_its_training_function_is_replaced(tmp_path, launch,
-                                                                       reference):
+                                                                       reference, policy):
     """Rank 0 is blocked in a C call (deaf to the shim's abort) when rank 1 dies: its shim
     finds the training thread idle in native code and says so, and the agent replaces that
-    rank too at once, not after --stop-timeout (60 s here)."""
+    rank too at once, not after --stop-timeout (60 s here). Under the `job` rung too, where
+    every rank is replaced: it used to get only SIGTERM, and the handler its shim armed
+    (ft.preempted()) cannot run in a C call, so it lived until the stop timeout (2 s by
+    default: a chaos run's partition met it); it is told to leave first, as in a `rank`
+    restart."""
     env = {"TRAIN_FAULT_RANK": "1", "TRAIN_FAULT_STEP": "10", "TRAIN_FAULT_KIND": "kill",
            "TRAIN_STUCK_RANK": "0"}
-    run, out, logs = _run(launch, tmp_path, "--stop-timeout", "60", env=env)
-    assert run.finish(180) == 0, run.output
-    _check_result(out, reference, 10, run.output)
-    escalated = [e for e in _events(logs) if e["event"] == "escalated"]
-    assert escalated and escalated[0]["ranks"] == [0], run.output
-    assert escalated[0]["blocked_in"][0].startswith("maybe_inject_fault (scripts/train_gpt.py:"), \
-        run.output
-    recovered = [e for e in _events(logs) if e["event"] == "recovered"]
-    assert recovered[0]["resumed"] == [] and sorted(recovered[0]["forked"]) == [0, 1], run.output
-
-
-def test_a_job_restarts_survivor_blocked_in_native_code_is_replaced_at_once(tmp_path, launch,
-                                                                             reference):
-    """As above under the `job` rung: every rank is replaced, and rank 0, blocked in a C
-    call, cannot run the SIGTERM handler its shim armed (ft.preempted()), so it used to live
-    until --stop-timeout (60 s here; 2 s by default: a chaos run's partition met it). Told to
-    leave its training function first, as in a `rank` restart, its shim says where it is
-    stuck and the agent kills it at once; the others leave and are stopped."""
-    env = {"TRAIN_FAULT_RANK": "1", "TRAIN_FAULT_STEP": "10", "TRAIN_FAULT_KIND": "kill",
-           "TRAIN_STUCK_RANK": "0"}
-    run, out, logs = _run(launch, tmp_path, "--restart-policy", "job", "--stop-timeout", "60",
+    run, out, logs = _run(launch, tmp_path, "--restart-policy", policy, "--stop-timeout", "60",
                           env=env)
     assert run.finish(180) == 0, run.output
     _check_result(out, reference, 10, run.output)
@@ -242,8 +227,8 @@ def test_a_job_restarts_survivor_blocked_in_native_code_is_replaced_at_once(tmp_
     assert escalated[0]["blocked_in"][0].startswith("maybe_inject_fault (scripts/train_gpt.py:"), \
         run.output
     recovered = [e for e in _events(logs) if e["event"] == "recovered"]
-    assert recovered[0]["policy"] == "job" and sorted(recovered[0]["forked"]) == [0, 1], \
-        run.output
+    assert recovered[0]["policy"] == policy and recovered[0]["resumed"] == [], run.output
+    assert sorted(recovered[0]["forked"]) == [0, 1], run.output
 
 
 def test_a_survivor_late_for_no_known_reason_has_its_stacks_taken_before_it_is_killed(
