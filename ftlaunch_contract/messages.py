@@ -240,6 +240,8 @@ class Assign(Body):
     coordinator_node: str
     replicate_to: Peers  # who keeps copies of this node's staged shards
     fetch: Fetches  # what to pull from peers' memory before the ranks start
+    SEAT: ClassVar[tuple[str, ...]] = ("group_rank", "rank_offset", "replicate_to", "fetch")
+    """The fields that differ between a round's assigns (Codec.encode_each)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,7 @@ import itertools
 import os
 import time
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
@@ -160,6 +161,33 @@ class Codec:
                               "seq": next(self._seq), "ts": time.time(), **payload})
         return [body, hmac.digest(self._secret, body, "sha256")]
 
+    def encode_each(self, msgs: Sequence[Body], epoch: int,
+                    own: tuple[str, ...]) -> Iterator[list[bytes]]:
+        """Messages of one type sent together, equal but for the fields ``own`` (a round's
+        assigns: each node's seat): the envelope and the fields they share are checked and
+        packed once, only ``own`` and the signature once a message (~5 µs less an assign,
+        0.1 s of a 16,384-node round). On the wire the map encode would send, keys in
+        another order."""
+        if not msgs:
+            return
+        kind, shared = msgs[0].TYPE, msgs[0].payload()
+        _check_fields(kind, shared)
+        for name in own:
+            del shared[name]
+        head = {"v": VERSION, "type": kind, "epoch": epoch, "sid": self._sid, "ts": time.time(),
+                **shared}
+        head_bytes = _map_header(len(head) + len(own) + 1) + _map_items(head)  # + 1: seq
+        tests = [test for test in _compiled(SCHEMA)[kind][1] if test[0] in own]
+        for msg in msgs:
+            if type(msg) is not type(msgs[0]) or any(getattr(msg, k) != v
+                                                     for k, v in shared.items()):
+                raise ValueError(f"{msg.TYPE} differs from the first {kind} beyond {own}")
+            mine = {name: getattr(msg, name) for name in own}
+            _check_values(kind, mine, tests)
+            mine["seq"] = next(self._seq)
+            body = head_bytes + _map_items(mine)
+            yield [body, hmac.digest(self._secret, body, "sha256")]
+
     def decode(self, frames: list[bytes]) -> Envelope:
         if len(frames) != 2:
             raise ProtocolError(f"expected 2 frames, got {len(frames)}")
@@ -185,6 +213,17 @@ class Codec:
         return Envelope(epoch, _build(messages.CONTROL[kind], data))
 
 
+def _map_header(count: int) -> bytes:
+    """msgpack's header of a map of ``count`` pairs (fixmap, else map 16)."""
+    return bytes([0x80 | count]) if count < 16 else b"\xde" + count.to_bytes(2, "big")
+
+
+def _map_items(fields: dict[str, Any]) -> bytes:
+    """``fields``' pairs as msgpack packs them in a map, without the map's header."""
+    packed: bytes = msgpack.packb(fields)
+    return packed[len(_map_header(len(fields))):]
+
+
 def unpack_map(body: bytes) -> dict[str, Any]:
     """msgpack that must decode to a map (never anything executable)."""
     try:
@@ -196,22 +235,24 @@ def unpack_map(body: bytes) -> dict[str, Any]:
     return data
 
 
-def _predicate(expected: Any) -> Any:
-    """``expected`` (a type, a tuple of types or a check) as one test of a value."""
+def _predicate(expected: Any) -> tuple[frozenset[type], Any]:
+    """``expected`` (a type, a tuple of types or a check) as one test of a value, and the
+    exact types that pass it without the test (what msgpack decodes to: a plain int, str...)."""
     if callable(expected) and not isinstance(expected, (type, tuple)):
-        return expected
-    return lambda value: isinstance(value, expected) and not isinstance(value, bool)
+        return frozenset(), expected
+    exact = frozenset(expected if isinstance(expected, tuple) else (expected,)) - {bool}
+    return exact, lambda value: isinstance(value, expected) and not isinstance(value, bool)
 
 
-_COMPILED: dict[int, dict[str, tuple[Any, tuple[tuple[str, Any], ...]]]] = {}
+_COMPILED: dict[int, dict[str, tuple[Any, tuple[tuple[str, frozenset[type], Any], ...]]]] = {}
 
 
-def _compiled(schemas: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, tuple[tuple[str, Any], ...]]]:
+def _compiled(schemas: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, tuple[tuple[str, frozenset[type], Any], ...]]]:
     """Per kind: its field names and a test for each, built once (a heartbeat is checked
     thousands of times a second at a large job's coordinator)."""
     if id(schemas) not in _COMPILED:
         _COMPILED[id(schemas)] = {kind: (schema.keys(), tuple(
-            (name, _predicate(expected)) for name, expected in schema.items()))
+            (name, *_predicate(expected)) for name, expected in schema.items()))
             for kind, schema in schemas.items()}
     return _COMPILED[id(schemas)]
 
@@ -224,9 +265,15 @@ def _check_fields(kind: Any, fields: dict[str, Any],
     names, tests = compiled
     if fields.keys() != names:
         raise ProtocolError(f"{kind}: fields {sorted(map(repr, fields))} != {sorted(names)}")
-    for name, test in tests:
-        if not test(fields[name]):
+    _check_values(kind, fields, tests, schemas)
+
+
+def _check_values(kind: str, fields: dict[str, Any], tests: Sequence[tuple[str, frozenset[type], Any]],
+                  schemas: dict[str, dict[str, Any]] = SCHEMA) -> None:
+    """The ``fields`` that ``tests`` name (of a known ``kind``) as its schema demands."""
+    for name, exact, test in tests:
+        value = fields[name]
+        if type(value) not in exact and not test(value):  # the set first: most fields pass it
             expected = schemas[kind][name]
-            what = "malformed" if test is expected else \
-                f"wrong type {type(fields[name]).__name__}"
+            what = "malformed" if test is expected else f"wrong type {type(value).__name__}"
             raise ProtocolError(f"{kind}.{name}: {what}")

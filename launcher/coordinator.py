@@ -908,7 +908,9 @@ class Coordinator:
                 restart_count=s.restart_count, max_restarts=s.max_restarts, members=members,
                 spares=s.spares, earlier=earlier, coordinator_node=s.host_node,
                 replicate_to=replicate_to, fetch=fetch)
-            self._send(s.identities[a.node_id], s.assigns[a.node_id])
+        assigns = self._codec.encode_each(list(s.assigns.values()), s.epoch, Assign.SEAT)
+        for node, frames in zip(s.assigns, assigns, strict=True):
+            self._send_frames(s.identities[node], frames)
         for node in s.members.keys() - s.group_ranks.keys():  # spares: whom to follow now
             if node in s.identities:
                 self._send(s.identities[node], Spare(members=members, spares=s.spares,

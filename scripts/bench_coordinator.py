@@ -16,7 +16,9 @@ from the others.
                 queued (by the coordinator thread), the first and the last assign received.
                 With --joins-first the survivors' joins wait on the standby socket before
                 the successor serves (they noticed the loss first, as on a cluster, where
-                every survivor's connection closes at once): times from its start.
+                every survivor's connection closes at once): times from its start. And the
+                CPU seconds its thread and ZeroMQ's I/O thread spent from its start: on a
+                node whose cores let them run side by side, the thread's is the floor.
 
     python scripts/bench_coordinator.py --nodes 1024,4096,8192,16384
 """
@@ -84,11 +86,13 @@ def host(n, takeover, conn, cpus, io_threads=1, joins_first=False):
         complete(now)
         round_times.append(time.monotonic())
     coordinator._complete_round = timed_round
+    io_before = coordinator_cpu(os.getpid(), -1)["zmq_io"]  # before: the joins read off TCP
     coordinator.start()
     if not joins_first:
         conn.send((port, coordinator._thread.native_id))
     conn.recv()  # done
-    conn.send((now, round_times))
+    cpu = coordinator_cpu(os.getpid(), coordinator._thread.native_id)
+    conn.send((now, round_times, cpu["coordinator_thread"], cpu["zmq_io"] - io_before))
 
 
 ASSIGN = msgpack.packb(Assign.TYPE)
@@ -219,7 +223,7 @@ def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus
         out["cpu"] = out["coordinator_thread"] + out["zmq_io"]
         out["cpu_us_per_heartbeat"] = 1e6 * out["cpu"] / out["heartbeats_per_s"]
     here.send("done")
-    served_at, round_times = here.recv()
+    served_at, round_times, out["thread_cpu_s"], out["io_cpu_s"] = here.recv()
     if joins_first:  # from the successor's start: the joins were sent before it
         for key in ("joins_sent_s", "first_assign_s", "all_assigned_s"):
             out[key] -= served_at - t0
@@ -260,8 +264,8 @@ def main():
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # two files a DEALER
     print("| nodes | heartbeats/s | coordinator CPU (thread + I/O) | µs a heartbeat | "
           "takeover: joins sent s | round closed s | its assigns queued s | "
-          "first received s | all received s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "first received s | all received s | CPU s: thread + I/O |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
         with roomy_kernel(n):  # as root, when n needs it: the loopback's backlog, ports, queue
             hb = None if args.takeover_only else bench(n, False, args.window, cpus,
@@ -275,7 +279,8 @@ def main():
             f"{hb['cpu_us_per_heartbeat']:.0f} ")
         print(f"| {n} {beats}| {tk['joins_sent_s']:.2f} | {tk['round_closed_s']:.2f} | "
               f"{tk['assigns_queued_s']:.2f} | {tk['first_assign_s']:.2f} | "
-              f"{tk['all_assigned_s']:.2f} |", flush=True)
+              f"{tk['all_assigned_s']:.2f} | {tk['thread_cpu_s']:.2f} + {tk['io_cpu_s']:.2f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

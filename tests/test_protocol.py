@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from dataclasses import replace
 from typing import get_type_hints
 
 import msgpack
@@ -99,6 +100,44 @@ def test_round_trip_every_type(kind):
     assert len(frames) == 2 and all(isinstance(f, bytes) for f in frames)
     msg = receiver.decode(frames)
     assert (msg, msg.body.TYPE) == (Envelope(5, body(kind, fields)), kind)
+
+
+def round_of_assigns(n: int) -> list[Body]:
+    """A round's assigns: one members list for all, each node its own seat and peers."""
+    fields = {**valid_fields("assign"), "group_world_size": n, "world_size": 8 * n}
+    shared = body("assign", fields)
+    return [replace(shared, group_rank=i, rank_offset=8 * i, fetch=(),
+                    replicate_to=(Peer(f"node-{i + 1}", "10.0.0.9", 4100 + i),)) for i in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 3, 20])
+def test_a_rounds_assigns_encoded_together_decode_as_each_alone(n):
+    assigns, receiver = round_of_assigns(n), Codec(SECRET)
+    frames = list(Codec(SECRET).encode_each(assigns, 4, wire.Assign.SEAT))
+    assert [receiver.decode(f) for f in frames] == [Envelope(4, a) for a in assigns]
+    alone = msgpack.unpackb(Codec(SECRET).encode(assigns[-1], 4)[0])
+    together = msgpack.unpackb(frames[-1][0])
+    for envelope_only in ("sid", "seq", "ts"):
+        del alone[envelope_only], together[envelope_only]
+    assert together == alone
+
+
+def test_assigns_encoded_together_must_differ_only_in_their_seats():
+    assigns = round_of_assigns(3)
+    assigns[2] = replace(assigns[2], restart_count=assigns[0].restart_count + 1)
+    with pytest.raises(ValueError, match="beyond"):
+        list(Codec(SECRET).encode_each(assigns, 4, wire.Assign.SEAT))
+
+
+@pytest.mark.parametrize("name, value", [("group_rank", "1"), ("replicate_to", [["a", "b"]]),
+                                         ("members", "node-a")])
+def test_assigns_encoded_together_are_checked_as_each_alone(name, value):
+    """A seat's field in any assign; a shared one in the first (the others must equal it)."""
+    assigns = round_of_assigns(3)
+    at = 0 if name == "members" else 2
+    assigns[at] = replace(assigns[at], **{name: value})
+    with pytest.raises(ProtocolError, match=f"assign.{name}"):
+        list(Codec(SECRET).encode_each(assigns, 4, wire.Assign.SEAT))
 
 
 @pytest.mark.parametrize("value", [None, 0, -15, 137])
