@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import itertools
 import os
 import time
 from collections import deque
@@ -151,14 +150,20 @@ class Codec:
             raise ValueError("the job secret must be at least 16 bytes")
         self._secret = secret
         self._sid = os.urandom(8).hex()
-        self._seq = itertools.count(1)
+        self._seq = 0
         self._last_seq: dict[str, int] = {}
+
+    @property
+    def sent(self) -> int:
+        """How many messages this codec encoded: the last one's sequence number."""
+        return self._seq
 
     def encode(self, msg: Body, epoch: int) -> list[bytes]:
         payload = msg.payload()
         _check_fields(msg.TYPE, payload)
+        self._seq += 1
         body = msgpack.packb({"v": VERSION, "type": msg.TYPE, "epoch": epoch, "sid": self._sid,
-                              "seq": next(self._seq), "ts": time.time(), **payload})
+                              "seq": self._seq, "ts": time.time(), **payload})
         return [body, hmac.digest(self._secret, body, "sha256")]
 
     def encode_each(self, msgs: Sequence[Body], epoch: int,
@@ -184,7 +189,8 @@ class Codec:
                 raise ValueError(f"{msg.TYPE} differs from the first {kind} beyond {own}")
             mine = {name: getattr(msg, name) for name in own}
             _check_values(kind, mine, tests)
-            mine["seq"] = next(self._seq)
+            self._seq += 1
+            mine["seq"] = self._seq
             body = head_bytes + _map_items(mine)
             yield [body, hmac.digest(self._secret, body, "sha256")]
 

@@ -33,6 +33,7 @@ class CapturingSocket:
     def __init__(self) -> None:
         self.codecs: dict[bytes, Codec] = {}
         self.sent: list[tuple[bytes, Envelope]] = []
+        self.bodies: list[bytes] = []  # as sent, beside each of ``sent``
         self._frames: list[bytes] = []
 
     def send(self, frame: bytes, flags: int = 0) -> None:
@@ -41,7 +42,8 @@ class CapturingSocket:
         if not flags & zmq.SNDMORE:
             frames, self._frames = self._frames, []
             codec = self.codecs.setdefault(frames[0], Codec(SECRET))
-            self.sent.append((frames[0], codec.decode(frames[1:])))
+            self.sent.append((frames[0], codec.decode(frames[1:])))  # (a replay raises)
+            self.bodies.append(frames[1])
 
 
 class CoordinatorMachine(RuleBasedStateMachine):
@@ -365,6 +367,29 @@ def test_heartbeats_are_acked_a_few_times_per_node_timeout_not_each():
     assert all(to == b"b" for to, m in socket.sent[before:])
     assert 8 <= len(acks) <= 9  # each within a quarter of the node timeout of the last: 1.2 s
     assert state.last_seen["b"] == t - 0.1, "every heartbeat still counts as a sign of life"
+
+
+def test_one_encoding_of_an_ack_serves_node_after_node_and_none_takes_it_for_a_replay():
+    """Acks share an encoding (each receiver checks sequence numbers on its own), but a node
+    never gets one twice, nor one older than another message it got: it would drop it."""
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
+    _running(coordinator)
+
+    def beat(node: str, now: float) -> bytes:
+        coordinator._handle(node.encode(), Envelope(1, CONTROL["heartbeat"](
+            node_id=node, phase="running", ranks=(), electorate_epoch=1)), now)
+        (to, ack), body = socket.sent[-1], socket.bodies[-1]
+        assert (to.decode(), ack.body.TYPE) == (node, "heartbeat_ack")
+        return body
+
+    assert beat("a", 10.0) == beat("b", 10.0), "one encoding for both"
+    assert beat("a", 20.0) != beat("a", 30.0), "a node gets a new one each time"
+    coordinator._handle(b"a", Envelope(1, CONTROL["durable"](node_id="a", rank=0, step=5)), 31.0)
+    coordinator._handle(b"b", Envelope(1, CONTROL["durable"](node_id="b", rank=1, step=5)), 31.0)
+    assert [m.body.TYPE for _, m in socket.sent[-2:]] == ["committed"] * 2  # newer than the ack
+    b_acked = beat("b", 40.0)  # decoded by b: not the ack b got at 30 s, nor older than step 5's
+    coordinator._state.epoch += 1  # what an ack says changed: so does the encoding
+    assert beat("a", 40.0) != b_acked
 
 
 def test_a_small_job_is_served_at_once_and_a_large_one_a_few_messages_a_wake_up():
