@@ -19,6 +19,8 @@ from the others.
                 every survivor's connection closes at once): times from its start. And the
                 CPU seconds its thread and ZeroMQ's I/O thread spent from its start: on a
                 node whose cores let them run side by side, the thread's is the floor.
+    socket floor  --socket-floor: the takeover's messages alone, nothing decoded or decided
+                (see floor_host): what a node costs the successor's one thread in ZeroMQ.
 
     python scripts/bench_coordinator.py --nodes 1024,4096,8192,16384
 """
@@ -93,6 +95,44 @@ def host(n, takeover, conn, cpus, io_threads=1, joins_first=False):
     conn.recv()  # done
     cpu = coordinator_cpu(os.getpid(), coordinator._thread.native_id)
     conn.send((now, round_times, cpu["coordinator_thread"], cpu["zmq_io"] - io_before))
+
+
+def floor_host(n, conn, cpus):
+    """--socket-floor: a takeover's messages and nothing else, in one thread: the queued
+    joins read as the coordinator reads them (frame by frame, each one's descriptor) and one
+    assign's encoding sent to each survivor (each receiver checks it on its own). What
+    ZeroMQ and pyzmq cost a node before any decoding, signature or decision."""
+    os.sched_setaffinity(0, cpus)
+    sock, port = bind_router(zmq.Context(), "127.0.0.1", 0, NODE_TIMEOUT)
+    conn.recv()  # the agents are ready
+    conn.send((port, None))
+    conn.recv()  # their joins are queued
+    assign = Codec(SECRET).encode(Assign(
+        group_rank=1, group_world_size=n - 1, rank_offset=8, world_size=8 * (n - 1),
+        restart_count=1, max_restarts=100, members=(), spares=(), earlier=(),
+        coordinator_node=node(1), replicate_to=(), fetch=()), 6)
+    io_before = coordinator_cpu(os.getpid(), -1)["zmq_io"]
+    start, cpu = time.monotonic(), time.thread_time()
+    identities = []
+    while len(identities) < n - 1:
+        try:
+            parts = [sock.recv(zmq.NOBLOCK, copy=False)]
+        except zmq.Again:
+            sock.poll(100)
+            continue
+        while parts[-1].more:
+            parts.append(sock.recv(copy=False))
+        parts[1].get(zmq.SRCFD)
+        identities.append(parts[0].bytes)
+        _ = [part.bytes for part in parts[1:]]
+    read = time.monotonic()
+    for identity in identities:
+        sock.send(identity, zmq.SNDMORE)
+        sock.send(assign[0], zmq.SNDMORE)
+        sock.send(assign[1])
+    sent, cpu = time.monotonic(), time.thread_time() - cpu
+    conn.recv()  # done
+    conn.send((start, [read, sent], cpu, coordinator_cpu(os.getpid(), -1)["zmq_io"] - io_before))
 
 
 ASSIGN = msgpack.packb(Assign.TYPE)
@@ -174,14 +214,15 @@ def answer(conn, timeout=300):
 
 
 def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus=1,
-          io_threads=1, joins_first=False):
+          io_threads=1, joins_first=False, socket_floor=False):
     """``cpus``: the first ``coordinator_cpus`` for the coordinator, the others for the
     agents."""
     spawn = mp.get_context("spawn")
     here, there = mp.Pipe()
     proc = spawn.Process(target=host, daemon=True,
                          args=(n, takeover, there, cpus[:coordinator_cpus], io_threads,
-                               joins_first))
+                               joins_first)) if not socket_floor else \
+        spawn.Process(target=floor_host, daemon=True, args=(n, there, cpus[:coordinator_cpus]))
     proc.start()
     here.send("ready")
     port, thread_id = answer(here)
@@ -247,6 +288,10 @@ def main():
     p.add_argument("--joins-first", action="store_true",
                    help="the survivors' joins wait on the standby socket before the successor "
                         "serves; times from its start")
+    p.add_argument("--socket-floor", action="store_true",
+                   help="the takeover's joins read and one assign's encoding sent to each, "
+                        "nothing decoded or decided: ZeroMQ's and pyzmq's cost a node "
+                        "(implies --takeover-only --joins-first; 'round closed' = all read)")
     p.add_argument("--coordinator-cpus", type=int, default=1,
                    help="CPUs of the coordinator's process (its thread and ZeroMQ's I/O "
                         "thread: 2 lets them run side by side, as on a real node 0)")
@@ -254,6 +299,8 @@ def main():
                    help="ZeroMQ I/O threads of the coordinator's context (the launcher's: 1); "
                         "more spread a takeover's writes over more cores")
     args = p.parse_args()
+    if args.socket_floor:
+        args.takeover_only = args.joins_first = True
     cpus = sorted(os.sched_getaffinity(0))
     if args.coordinator_cpus < 1 or len(cpus) <= args.coordinator_cpus:
         raise SystemExit(f"needs {args.coordinator_cpus + 1} CPUs or more: "
@@ -272,7 +319,7 @@ def main():
                                                        coordinator_cpus=args.coordinator_cpus,
                                                        io_threads=args.io_threads)
             tk = bench(n, True, 0, cpus, args.connect_at_takeover, args.coordinator_cpus,
-                       args.io_threads, args.joins_first)
+                       args.io_threads, args.joins_first, args.socket_floor)
         beats = "| - | - | - " if hb is None else (
             f"| {hb['heartbeats_per_s']:.0f} | {100 * hb['cpu']:.1f} % "
             f"({100 * hb['coordinator_thread']:.1f} + {100 * hb['zmq_io']:.1f}) | "

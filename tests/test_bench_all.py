@@ -95,6 +95,18 @@ def test_the_coordinator_bench_can_queue_the_joins_before_the_successor_serves()
     assert joins_sent < 0 < first <= last and min(thread_cpu, io_cpu) >= 0, row  # (10 ms ticks)
 
 
+def test_the_coordinator_benchs_socket_floor_answers_every_join():
+    """--socket-floor: the joins read and one assign's encoding sent to each, as the
+    receivers check it (each its own sequence): every survivor gets it (the survivors wait
+    up to 120 s for theirs, the test no longer)."""
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_coordinator.py"), "--nodes", "32",
+                           "--socket-floor"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| 32 | "))
+    read, sent, first, last = (float(cell) for cell in row.strip("| ").split(" | ")[5:9])
+    assert 0 <= read <= sent and 0 <= first <= last, row
+
+
 def test_the_rendezvous_bench_runs_every_fault_through_at_24_agents(tmp_path):
     """bench_rendezvous.py simulates agents with real ControlPlanes, which must keep what an
     agent keeps (its seats: past the 16 an assign names, a successor counts by them):
