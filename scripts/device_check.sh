@@ -8,7 +8,8 @@
 # 5. the coordinator of 16,384 nodes with cores to spare (CI's 2 cores also carry the simulated
 #    agents): its heartbeat CPU and a takeover's round, on one core, on two, and on four with
 #    three ZeroMQ I/O threads (do more I/O threads spread a takeover's 16,383 writes?), and
-#    a takeover whose joins were queued before the successor served (a cluster's order);
+#    a takeover whose joins were queued before the successor served (a cluster's order),
+#    and the same takeover's messages alone (--socket-floor: what ZeroMQ costs a node);
 # 6. 16,384 simulated agents end to end (bench_rendezvous.py: formed, ready, the coordinator's
 #    CPU, node loss, a dead agent, coordinator failover), the targets at that size.
 # STEPS picks some (default all): the lent machines allow 10 minutes a command, so there
@@ -80,6 +81,9 @@ if step 5 && [ "$(nproc)" -ge 8 ]; then
       --coordinator-cpus "$cpus" --io-threads "$io" 2>&1 \
       | tee -a "$OUT/coordinator_16384_joins_first.txt"
   done
+  echo "socket floor, coordinator CPUs 2" | tee -a "$OUT/coordinator_16384_joins_first.txt"
+  timeout 300 "$PY" scripts/bench_coordinator.py --nodes 16384 --socket-floor \
+    --coordinator-cpus 2 2>&1 | tee -a "$OUT/coordinator_16384_joins_first.txt"
 fi
 if step 6 && [ "$(nproc)" -ge 8 ]; then
   timeout 420 "$PY" scripts/bench_rendezvous.py --sizes 16384 --torch-max 0 \
