@@ -431,10 +431,18 @@ class Coordinator:
 
     def _unroutable(self, identities: list[bytes]) -> set[bytes]:
         """Those of ``identities`` whose connection closed: only a mandatory send is told
-        that it cannot be routed. Each open one gets an ack: word that we serve."""
+        that it cannot be routed. Each open one gets an ack: word that we serve.
+
+        The socket learns of a close from ZeroMQ's I/O thread (the pipe's end, a command
+        that follows the monitor's close event) and reads such commands on a send at most
+        once a millisecond or so; so they are read first, or a route ended just before
+        still looked open (a dead survivor of a takeover seated, found only by silence).
+        A close whose end the I/O thread has not passed on yet is not known here either:
+        such a connection counts as open, its node found by its silence."""
         frames = self._codec.encode(HeartbeatAck(settled_below=self._settled_below),
                                     self._state.epoch)
         closed = set()
+        self._socket.getsockopt(zmq.EVENTS)  # reads the socket's pending commands, unthrottled
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
             for identity in identities:

@@ -376,6 +376,29 @@ def test_a_node_that_stood_down_leaves_its_standby_socket_to_the_successor_it_ma
         ctx.destroy(linger=0)
 
 
+def _wait_until_route_ended(router: zmq.Socket, identity: bytes) -> None:
+    """Until ``router`` itself knows that the connection of ``identity``, whose close its
+    monitor reported, closed: a mandatory send to it is refused. (ZeroMQ's monitor reports
+    a close before the socket's route to it ends: its I/O thread passes that on in commands
+    after; under load, many ms later. Before the close, a refusal could mean not yet
+    connected.)"""
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    end = time.monotonic() + 5
+    try:
+        while True:
+            assert time.monotonic() < end, f"{identity!r}: its route never ended"
+            router.getsockopt(zmq.EVENTS)  # reads the socket's pending commands
+            try:
+                router.send_multipart([identity, b""], zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                if e.errno == zmq.EHOSTUNREACH:
+                    return
+                raise
+            time.sleep(0.001)  # (nothing to wait on: the I/O thread's commands are internal)
+    finally:
+        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+
+
 @pytest.mark.parametrize("max_nodes", [3, 4096])
 def test_joins_queued_on_a_successors_standby_from_connections_since_closed_take_no_seat(
         caplog, max_nodes):
@@ -413,11 +436,13 @@ def test_joins_queued_on_a_successors_standby_from_connections_since_closed_take
     for node, seated_epoch, its_port in (("s", -1, 0), ("c", 5, closed_port),
                                          *([("u", 5, closed_port)] if large else [])):
         gone = ctx.socket(zmq.DEALER)
+        gone.setsockopt(zmq.ROUTING_ID, f"{node}'s connection".encode())
         gone.connect(f"tcp://127.0.0.1:{port}")
         gone.send_multipart(join(node, seated_epoch, its_port))
         gone.close(linger=5000)  # sent, then its connection closes
         assert monitor.poll(5000), f"{node}'s connection did not close"
         assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        _wait_until_route_ended(standby, f"{node}'s connection".encode())
     standby.disable_monitor()
     monitor.close(linger=0)
     b = ctx.socket(zmq.DEALER)  # b's own agent, connected
