@@ -252,6 +252,7 @@ class Coordinator:
         self._fds: dict[bytes, int] = {}  # a peer's connection (its file descriptor)
         self._closed_unheard: set[int] = set()  # closes no message had named, this drain
         self._heard_after_close: set[bytes] = set()  # connections first heard on those
+        self._closes_unconfirmed: dict[bytes, float] = {}  # of those, still routed: until
         self._beats: dict[bytes, tuple[float, float]] = {}  # a connection's last ack and beat
         self._probes: dict[str, Probe] = {}  # a member whose connection closed while heard
         self._knocks: dict[str, Knocks] = {}  # at silent members' standby ports (_knock)
@@ -531,11 +532,24 @@ class Coordinator:
     def _first_words_of_the_closed(self, now: float) -> None:
         """Peers first heard on a descriptor whose close came before their words (an agent
         that joined and died at once: its close named no connection yet). Those whose
-        connection is gone closed like any other (_disconnected); one that the kernel gave
-        the descriptor since is open, and only acked."""
+        connection is gone closed like any other (_disconnected). One the socket still
+        routes to is a connection the kernel gave the descriptor since, open, or the closed
+        one, its route not ended yet: ZeroMQ's I/O thread ends it after it reports the close
+        (under load, many ms later; seated, the dead node waited for its silence). Each is
+        asked again every tick (_confirm_closes) until its route ends, or for the node
+        timeout: an open one, acked meanwhile, is left alone."""
         identities, self._heard_after_close = self._heard_after_close, set()
-        for identity in sorted(self._unroutable(sorted(identities))):
+        for identity in identities:
+            self._closes_unconfirmed.setdefault(identity, now + self._state.node_timeout)
+        self._confirm_closes(now)
+
+    def _confirm_closes(self, now: float) -> None:
+        pending = self._closes_unconfirmed
+        for identity in sorted(self._unroutable(sorted(pending))):
+            del pending[identity]
             self._connection_gone(identity, now)
+        for identity in [i for i, until in pending.items() if now >= until]:
+            del pending[identity]
 
     def _drain_batch(self) -> bool:
         for _ in range(DRAIN_BATCH):
@@ -1006,6 +1020,8 @@ class Coordinator:
         s = self._state
         if s.final is not None:
             return
+        if self._closes_unconfirmed:
+            self._confirm_closes(now)
         self._note_unsettled()
         self._lose_the_silent(now)
         if s.final is None and s.phase == RoundPhase.JOINING:

@@ -557,6 +557,10 @@ peer.send_multipart(Codec(secret).encode(CONTROL["join"](
     node_id="s", local_world_size=1, addr="127.0.0.1", standby_port=standby, rank_hint=-1,
     replica_port=0, held=(), restart_count=0, seated_earlier=(), settled_below=-1,
     seated_epoch=-1, electorate_epoch=-1), 0))
+if sys.argv[4:] == ["when told"]:
+    sys.stdin.read()
+    import os
+    os._exit(0)  # its connection closes as the process ends
 peer.close(linger=5000)
 """
 
@@ -598,6 +602,52 @@ def test_an_agent_that_dies_right_after_its_first_join_is_lost_at_once(caplog):
                    for r in caplog.records)
     finally:
         monitor.close(linger=0)
+        coordinator.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_close_read_before_its_route_ended_is_asked_again_until_it_ends(caplog):
+    """ZeroMQ's monitor reports a close before the socket's route to that connection ends
+    (its I/O thread ends it after; under load, many ms later). So an agent that joined and
+    died at once, its close read before its join, could still look open when asked, and
+    the dead node held its seat until its silence. Here the close is read while the
+    connection still stands (the order load makes), and the agent dies after: the tick
+    asks again, and the node is lost at once, for its closed connection."""
+    import logging
+
+    from launcher.coordinator import TICK_SECONDS, Coordinator
+
+    caplog.set_level(logging.WARNING, logger="launcher.coordinator")
+    ctx = zmq.Context()
+    sock, port = bind_router(ctx, "127.0.0.1", 0, NODE_TIMEOUT)
+    state = _takeover_state({"b": 0})
+    coordinator = Coordinator(sock, SECRET, state)
+    refused = ctx.socket(zmq.ROUTER)  # s's standby port, closed with its agent
+    refused_port = refused.bind_to_random_port("tcp://127.0.0.1")
+    refused.close(linger=0)
+    peer = subprocess.Popen([sys.executable, "-c", _JOIN_AND_DIE, str(port), SECRET.hex(),
+                             str(refused_port), "when told"], stdin=subprocess.PIPE)
+    try:
+        assert sock.poll(5000), "the join is not queued"
+        [fd] = [c.fd for c in psutil.Process().net_connections("tcp")
+                if c.laddr.port == port and c.raddr]
+        coordinator._closed_unheard.add(fd)  # its close, read first
+        coordinator._drain()
+        assert "s" in state.members, "its connection is open yet"
+        peer.stdin.close()
+        peer.wait(timeout=10)
+        end = time.monotonic() + NODE_TIMEOUT / 2  # (silent, it is lost after the timeout)
+        while "s" in state.members:
+            assert time.monotonic() < end, "its close was never asked about again"
+            select.select([p.fd for p in coordinator._probes.values()], [], [], TICK_SECONDS)
+            coordinator._probes_answered(time.monotonic())
+            coordinator._tick(time.monotonic())
+        assert any("node s lost (its agent's connection closed)" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait(timeout=10)
         coordinator.close()
         ctx.destroy(linger=0)
 
