@@ -72,7 +72,10 @@ WORK_RELEASED_LATE = DRIVER + textwrap.dedent("""
     def body(rank, root):
         # Make the race likely instead of rare: gloo's workers run only when this rank's
         # CPU is otherwise idle (a busy node may starve them like this at any time).
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % os.cpu_count()]})
+        # (Of the CPUs it may use: a cpuset, a container's or taskset's, may hold fewer than
+        # the machine's os.cpu_count(); indexing by that, rank 1 failed on one CPU.)
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
         for tid in os.listdir("/proc/self/task"):
             if open(f"/proc/self/task/{tid}/comm").read().strip() == "pt_gloo_runloop":
                 os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
