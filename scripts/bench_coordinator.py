@@ -21,6 +21,9 @@ from the others.
                 node whose cores let them run side by side, the thread's is the floor.
     socket floor  --socket-floor: the takeover's messages alone, nothing decoded or decided
                 (see floor_host): what a node costs the successor's one thread in ZeroMQ.
+    decider     --decider-only: the takeover's joins handled and its round decided with no
+                socket, decoding nor encoding (see decider): what no intake process could
+                take off the coordinator (docs/scale.md). One process, no agents.
 
     python scripts/bench_coordinator.py --nodes 1024,4096,8192,16384
 """
@@ -37,8 +40,8 @@ import msgpack
 import zmq
 from bench_rendezvous import coordinator_cpu, roomy_kernel
 
-from ftlaunch_contract.messages import Assign, Heartbeat, Join
-from ftlaunch_contract.protocol import Codec
+from ftlaunch_contract.messages import CONTROL, Assign, Heartbeat, Join
+from ftlaunch_contract.protocol import Codec, Envelope
 from launcher import membership
 from launcher.coordinator import Coordinator, JobState, RoundPhase, bind_router
 
@@ -133,6 +136,53 @@ def floor_host(n, conn, cpus):
     sent, cpu = time.monotonic(), time.thread_time() - cpu
     conn.recv()  # done
     conn.send((start, [read, sent], cpu, coordinator_cpu(os.getpid(), -1)["zmq_io"] - io_before))
+
+
+class _Discard:
+    """A socket that sends nowhere (--decider-only)."""
+
+    def send(self, frame, flags=0):
+        pass
+
+
+def decider(n, encode):
+    """Seconds to handle a takeover's n-1 joins, already decoded, and to decide its round:
+    ranks, replica plan and assigns built, each assign's encoding left out unless ``encode``
+    (its sending is a call to _Discard). The best of three."""
+    logging.getLogger("launcher").setLevel(logging.ERROR)
+    joins = [Envelope(5, CONTROL["join"](
+        node_id=node(i), local_world_size=8, addr="127.0.0.1", standby_port=1, rank_hint=-1,
+        replica_port=0, held=(), restart_count=0, seated_earlier=(), settled_below=-1,
+        seated_epoch=5, electorate_epoch=5)) for i in range(1, n)]
+    best = (float("inf"), float("inf"))
+    for _ in range(3):
+        s, now = state(n), time.monotonic()
+        s.epoch, s.expected_count = 5, n - 1
+        for rank in range(16):
+            s.group_ranks[node(rank + 1)], s.standby_ports[node(rank + 1)] = rank, 1
+            s.last_seen[node(rank + 1)] = now
+        coordinator = Coordinator(_Discard(), SECRET, s, "coordinator node lost")
+        if not encode:
+            coordinator._codec.encode_each = lambda msgs, epoch, own: ([b"", b""] for _ in msgs)
+        start = time.perf_counter()
+        for i, join in enumerate(joins, 1):
+            coordinator._handle(b"%d" % i, join, now)
+        handled = time.perf_counter()
+        if not coordinator._maybe_complete_round(now) or len(s.assigns) != n - 1:
+            raise SystemExit(f"the round of {n} did not close with every survivor seated")
+        decided = time.perf_counter()
+        best = min(best, (handled - start, decided - handled), key=sum)
+    return best
+
+
+def decider_table(sizes):
+    print("| nodes | joins handled s (µs a node) | round decided s (µs a node) | "
+          "the same with assigns encoded s (µs a node) |")
+    print("|---|---|---|---|")
+    for n in sizes:
+        (handled, decided), (_, encoded) = decider(n, False), decider(n, True)
+        cells = [f"{t:.3f} ({1e6 * t / (n - 1):.1f})" for t in (handled, decided, encoded)]
+        print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
 
 
 ASSIGN = msgpack.packb(Assign.TYPE)
@@ -298,7 +348,13 @@ def main():
     p.add_argument("--io-threads", type=int, default=1,
                    help="ZeroMQ I/O threads of the coordinator's context (the launcher's: 1); "
                         "more spread a takeover's writes over more cores")
+    p.add_argument("--decider-only", action="store_true",
+                   help="the takeover's joins handled and round decided, no socket, decoding "
+                        "or encoding: the coordinator's share that intakes could not take")
     args = p.parse_args()
+    if args.decider_only:
+        decider_table([int(n) for n in args.nodes.split(",")])
+        return
     if args.socket_floor:
         args.takeover_only = args.joins_first = True
     cpus = sorted(os.sched_getaffinity(0))

@@ -117,6 +117,18 @@ def test_the_coordinator_benchs_socket_floor_answers_every_join():
     assert 0 <= read <= sent and 0 <= first <= last, row
 
 
+def test_the_coordinator_benchs_decider_seats_every_survivor():
+    """--decider-only: a takeover's joins handled and its round decided with no socket; the
+    bench refuses a round that did not seat every survivor, and reports each share."""
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_coordinator.py"), "--nodes", "32",
+                           "--decider-only"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| 32 | "))
+    handled, decided, encoded = (float(cell.split(" (")[1].rstrip(")"))
+                                 for cell in row.strip("| ").split(" | ")[1:])
+    assert min(handled, decided, encoded) > 0, row  # µs a node
+
+
 def test_the_rendezvous_bench_runs_every_fault_through_at_24_agents(tmp_path):
     """bench_rendezvous.py simulates agents with real ControlPlanes, which must keep what an
     agent keeps (its seats: past the 16 an assign names, a successor counts by them):
