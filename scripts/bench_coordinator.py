@@ -40,7 +40,7 @@ import msgpack
 import zmq
 from bench_rendezvous import coordinator_cpu, roomy_kernel
 
-from ftlaunch_contract.messages import CONTROL, Assign, Heartbeat, Join
+from ftlaunch_contract.messages import CONTROL, Assign, Heartbeat, Held, Join
 from ftlaunch_contract.protocol import Codec, Envelope
 from launcher import membership
 from launcher.coordinator import Coordinator, JobState, RoundPhase, bind_router
@@ -148,16 +148,23 @@ class _Discard:
 def decider(n, encode):
     """Seconds to handle a takeover's n-1 joins, already decoded, and to decide its round:
     ranks, replica plan and assigns built, each assign's encoding left out unless ``encode``
-    (its sending is a call to _Discard). The best of three."""
+    (its sending is a call to _Discard). As in a job with the default one replica: each node
+    on a host of its own holds its 8 ranks' staged shards of the last step and its
+    predecessor's copies (the world was n nodes: the round is resized). The best of three."""
     logging.getLogger("launcher").setLevel(logging.ERROR)
+    world = 8 * n
+
+    def held(i):
+        return tuple(Held(world, 8 * j + r, 100) for j in (i, (i - 1) % n) for r in range(8))
     joins = [Envelope(5, CONTROL["join"](
-        node_id=node(i), local_world_size=8, addr="127.0.0.1", standby_port=1, rank_hint=-1,
-        replica_port=0, held=(), restart_count=0, seated_earlier=(), settled_below=-1,
-        seated_epoch=5, electorate_epoch=5)) for i in range(1, n)]
+        node_id=node(i), local_world_size=8, addr=f"10.{i // 65536}.{i // 256 % 256}.{i % 256}",
+        standby_port=1, rank_hint=-1, replica_port=7000, held=held(i), restart_count=0,
+        seated_earlier=(), settled_below=-1, seated_epoch=5, electorate_epoch=5))
+        for i in range(1, n)]
     best = (float("inf"), float("inf"))
     for _ in range(3):
         s, now = state(n), time.monotonic()
-        s.epoch, s.expected_count = 5, n - 1
+        s.epoch, s.expected_count, s.replicas = 5, n - 1, 1
         for rank in range(16):
             s.group_ranks[node(rank + 1)], s.standby_ports[node(rank + 1)] = rank, 1
             s.last_seen[node(rank + 1)] = now

@@ -89,6 +89,29 @@ def test_a_resized_world_pulls_every_saved_shard_it_lacks():
                     "b": [(Held(6, 4, 40), "a"), (Held(6, 5, 40), "a")]}
 
 
+def test_a_world_resized_past_a_few_nodes_restores_from_storage_not_every_peer():
+    """Resized, every node would pull every saved shard: the whole saved state in each
+    node's memory and an assign naming each shard (at 512 nodes of 8, 2 M pulls planned in
+    13 s; at 4,096 the coordinator was killed for its memory). Up to
+    RESHARD_FROM_MEMORY_NODES nodes it still does; past them, nothing is pulled."""
+    from launcher.replica_plan import RESHARD_FROM_MEMORY_NODES, too_wide_to_reshard
+
+    def shrunk_to(nodes: int) -> dict:
+        saved = nodes + 1  # one node of 2 ranks lost, its shards kept by the next
+        inventories = {f"n{i}": held(2 * saved, [2 * i, 2 * i + 1, (2 * i - 2) % (2 * saved),
+                                                 (2 * i - 1) % (2 * saved)], 40)
+                       for i in range(saved)}
+        seats = [Seat(f"n{i}", 2 * i, 2, 2 * nodes) for i in range(nodes)]
+        assert too_wide_to_reshard(2 * saved, seats) == (nodes > RESHARD_FROM_MEMORY_NODES)
+        assert not too_wide_to_reshard(2 * nodes, seats), "the same world is never too wide"
+        return fetch_plan(inventories, seats)
+
+    fits = shrunk_to(RESHARD_FROM_MEMORY_NODES)
+    assert len(fits) == RESHARD_FROM_MEMORY_NODES and all(
+        len(pulls) == 2 * (RESHARD_FROM_MEMORY_NODES + 1) - 4 for pulls in fits.values())
+    assert shrunk_to(RESHARD_FROM_MEMORY_NODES + 1) == {}
+
+
 def test_no_plan_when_some_rank_of_every_step_is_gone_from_memory():
     inventories = {"a": held(6, [0, 1], 40), "b": held(6, [2, 3], 40)}  # 4, 5: both copies lost
     assert newest_in_memory(inventories) is None
