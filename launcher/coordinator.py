@@ -1001,8 +1001,9 @@ class Coordinator:
         elif in_memory and replica_plan.too_wide_to_reshard(in_memory[0], seats):
             log.warning("step %d, whole in the nodes' memory, was saved by %d ranks: resized "
                         "to %d nodes, each would pull every saved shard (the whole state), so "
-                        "the ranks restore from storage (its newest step: %d)", in_memory[1],
-                        in_memory[0], len(seats), committed)
+                        "the ranks restore from storage (%s)", in_memory[1], in_memory[0],
+                        len(seats), f"step {committed}" if committed >= 0
+                        else "no step committed there yet: they start afresh")
         elif any(held.values()) and in_memory is None:
             log.warning("no checkpoint step is whole in the memory of the %d nodes joined (a "
                         "node and the peer keeping its copies lost together?): the ranks "

@@ -151,7 +151,7 @@ def decider(n, encode):
     (its sending is a call to _Discard). As in a job with the default one replica: each node
     on a host of its own holds its 8 ranks' staged shards of the last step and its
     predecessor's copies (the world was n nodes: the round is resized). The best of three."""
-    logging.getLogger("launcher").setLevel(logging.ERROR)
+    logging.getLogger("ftlaunch").setLevel(logging.ERROR)  # (the resize's warning)
     world = 8 * n
 
     def held(i):
