@@ -18,7 +18,7 @@ from ftlaunch_contract.messages import Held
 # A resized world pulls every saved shard to every node (each new rank cuts its part from
 # them): the whole saved state in each node's memory, as many times its share as the world
 # has nodes, and an assign naming every saved shard. Past this many nodes its ranks restore
-# from storage instead (at 512 nodes of 8 the plan took 13 s and named 2 M pulls; at 4,096
+# from storage instead (at 512 nodes of 8 the plan took 6-13 s and named 2 M pulls; at 4,096
 # the coordinator was killed for its memory).
 RESHARD_FROM_MEMORY_NODES = 8
 

@@ -92,7 +92,7 @@ def test_a_resized_world_pulls_every_saved_shard_it_lacks():
 def test_a_world_resized_past_a_few_nodes_restores_from_storage_not_every_peer():
     """Resized, every node would pull every saved shard: the whole saved state in each
     node's memory and an assign naming each shard (at 512 nodes of 8, 2 M pulls planned in
-    13 s; at 4,096 the coordinator was killed for its memory). Up to
+    6-13 s; at 4,096 the coordinator was killed for its memory). Up to
     RESHARD_FROM_MEMORY_NODES nodes it still does; past them, nothing is pulled."""
     from launcher.replica_plan import RESHARD_FROM_MEMORY_NODES, too_wide_to_reshard
 
