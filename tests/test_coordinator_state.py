@@ -189,6 +189,32 @@ def test_both_copies_lost_is_said_and_the_ranks_restore_from_storage(caplog):
     assert "no checkpoint step is whole in the memory of the 2 nodes" in caplog.text
 
 
+def test_a_world_resized_past_eight_nodes_is_told_to_restore_from_storage(caplog):
+    """Ten nodes of one rank, the survivors of eleven (the lost one's shard kept by the next):
+    resized, each would pull every saved shard. None is told to; the warning says why and
+    what storage has."""
+    import logging
+
+    socket = CapturingSocket()
+    state = JobState(min_nodes=10, max_nodes=10, max_restarts=2, policy="rank", backoff=1.0,
+                     backoff_max=4.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+                     last_call=1.0, join_timeout=60.0, host_node="n0", joining_since=0.0,
+                     replicas=1)
+    coordinator = Coordinator(socket, SECRET, state)
+    with caplog.at_level(logging.WARNING, logger="ftlaunch.coordinator"):
+        for i in range(10):
+            shards = (Held(11, i, 40), Held(11, (i + 10) % 11, 40))  # its own, its peer's
+            coordinator._handle(f"n{i}".encode(), Envelope(0, CONTROL["join"](
+                node_id=f"n{i}", local_world_size=1, addr=f"10.0.0.{i + 1}", standby_port=4000,
+                rank_hint=-1, replica_port=4100, held=shards, restart_count=0,
+                seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)), 1.0)
+        coordinator._tick(1.1)
+    assigns = [m.body for _, m in socket.sent if isinstance(m.body, Assign)]
+    assert len(assigns) == 10 and all(a.fetch == () for a in assigns)
+    assert "step 40, whole in the nodes' memory, was saved by 11 ranks: resized to 10 nodes" \
+        in caplog.text and "no step committed there yet" in caplog.text
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_a_round_is_decided_with_the_cyclic_collector_off_and_left_as_it_was(monkeypatch,
                                                                              enabled):
