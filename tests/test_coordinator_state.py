@@ -152,9 +152,16 @@ TestCoordinatorStateMachine = CoordinatorMachine.TestCase
 
 def _two_nodes_joined(held_by_node) -> tuple[Coordinator, CapturingSocket]:
     """Two nodes join with these shards in memory; the round closes at MAX."""
+    assert len(held_by_node) == 2
+    return _nodes_joined(held_by_node)
+
+
+def _nodes_joined(held_by_node) -> tuple[Coordinator, CapturingSocket]:
+    """These nodes join with these shards in memory; the round closes at MAX (all of them)."""
     socket = CapturingSocket()
-    state = JobState(min_nodes=2, max_nodes=2, max_restarts=2, policy="rank", backoff=1.0,
-                     backoff_max=4.0, exit_barrier_timeout=30.0, node_timeout=5.0,
+    state = JobState(min_nodes=len(held_by_node), max_nodes=len(held_by_node), max_restarts=2,
+                     policy="rank", backoff=1.0, backoff_max=4.0, exit_barrier_timeout=30.0,
+                     node_timeout=5.0,
                      last_call=1.0, join_timeout=60.0, host_node="a", joining_since=0.0,
                      replicas=1)
     coordinator = Coordinator(socket, SECRET, state)
@@ -195,20 +202,10 @@ def test_a_world_resized_past_eight_nodes_is_told_to_restore_from_storage(caplog
     what storage has."""
     import logging
 
-    socket = CapturingSocket()
-    state = JobState(min_nodes=10, max_nodes=10, max_restarts=2, policy="rank", backoff=1.0,
-                     backoff_max=4.0, exit_barrier_timeout=30.0, node_timeout=5.0,
-                     last_call=1.0, join_timeout=60.0, host_node="n0", joining_since=0.0,
-                     replicas=1)
-    coordinator = Coordinator(socket, SECRET, state)
+    shards = {f"n{i}": (Held(11, i, 40), Held(11, (i + 10) % 11, 40))  # its own, its peer's
+              for i in range(10)}
     with caplog.at_level(logging.WARNING, logger="ftlaunch.coordinator"):
-        for i in range(10):
-            shards = (Held(11, i, 40), Held(11, (i + 10) % 11, 40))  # its own, its peer's
-            coordinator._handle(f"n{i}".encode(), Envelope(0, CONTROL["join"](
-                node_id=f"n{i}", local_world_size=1, addr=f"10.0.0.{i + 1}", standby_port=4000,
-                rank_hint=-1, replica_port=4100, held=shards, restart_count=0,
-                seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)), 1.0)
-        coordinator._tick(1.1)
+        _, socket = _nodes_joined(shards)
     assigns = [m.body for _, m in socket.sent if isinstance(m.body, Assign)]
     assert len(assigns) == 10 and all(a.fetch == () for a in assigns)
     assert "step 40, whole in the nodes' memory, was saved by 11 ranks: resized to 10 nodes" \
