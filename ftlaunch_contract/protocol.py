@@ -21,7 +21,7 @@ import msgpack
 from ftlaunch_contract import messages
 from ftlaunch_contract.messages import Body
 
-VERSION = 1
+VERSION = 2
 TICK_INTERVAL = 0.5
 """Seconds between a managed rank's ticks to its agent (from the shim's own thread, so the
 agent tells a frozen rank from one blocked in a collective)."""

@@ -32,6 +32,7 @@ from launcher import (
     live_status,
     membership,
     node_policy,
+    replica_plan,
     replica_service,
 )
 from launcher.config import LaunchConfig
@@ -778,7 +779,7 @@ class Agent:
                                  local_world_size=self.plan.local_world_size,
                                  addr=self.plan.addr, standby_port=self.control.standby_port or 0,
                                  rank_hint=self.plan.rank_hint, replica_port=self.replicas.port,
-                                 held=self.replicas.inventory(),
+                                 held=replica_plan.runs(self.replicas.inventory()),
                                  restart_count=self.restart_count,
                                  seated_epoch=self.seats[-1] if self.seats else -1,
                                  seated_earlier=tuple(self.seats[:-1]),

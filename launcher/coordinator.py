@@ -32,7 +32,7 @@ from ftlaunch_contract.messages import (
     Finished,
     Heartbeat,
     HeartbeatAck,
-    HeldShards,
+    HeldRuns,
     InMemory,
     JobStatus,
     Join,
@@ -149,7 +149,7 @@ class JobState:
     copies: CommitLog = field(default_factory=lambda: CommitLog(0))  # steps copied to peers
     replicas: int = 0  # peers keeping a copy of each node's staged checkpoints
     replica_ports: dict[str, int] = field(default_factory=dict)
-    held: dict[str, HeldShards] = field(default_factory=dict)  # shards in memory, as joined
+    held: dict[str, HeldRuns] = field(default_factory=dict)  # shards in memory, as joined
     run_id: str = ""
     last_cause: str = ""  # of the latest recovery
     node_status: dict[str, tuple[str, RankStates]] = field(default_factory=dict)  # heartbeats

@@ -44,6 +44,7 @@ from ftlaunch_contract.messages import CONTROL, Assign, Heartbeat, Held, Join
 from ftlaunch_contract.protocol import Codec, Envelope
 from launcher import membership
 from launcher.coordinator import Coordinator, JobState, RoundPhase, bind_router
+from launcher.replica_plan import runs
 
 SECRET = b"bench-coordinator-secret-0123456789"
 NODE_TIMEOUT = 5.0
@@ -155,7 +156,7 @@ def decider(n, encode):
     world = 8 * n
 
     def held(i):
-        return tuple(Held(world, 8 * j + r, 100) for j in (i, (i - 1) % n) for r in range(8))
+        return runs(Held(world, 8 * j + r, 100) for j in (i, (i - 1) % n) for r in range(8))
     joins = [Envelope(5, CONTROL["join"](
         node_id=node(i), local_world_size=8, addr=f"10.{i // 65536}.{i // 256 % 256}.{i % 256}",
         standby_port=1, rank_hint=-1, replica_port=7000, held=held(i), restart_count=0,

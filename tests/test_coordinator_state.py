@@ -21,6 +21,7 @@ from launcher import exit_codes
 from launcher.coordinator import FOLLOWED_QUIET, Coordinator, JobState
 from launcher.membership import Electorate, has_quorum
 from launcher.peer_probe import Verdict
+from launcher.replica_plan import runs
 
 SECRET = b"k" * 32
 NODES = [f"n{i}" for i in range(5)]
@@ -71,7 +72,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     def join(self, node, size, held=()):
         """``held``: the checkpoint shards the node says it has in memory."""
         self._deliver(node, "join", node_id=node, local_world_size=size, addr=f"10.0.0.{node[1]}",
-                      standby_port=4000, rank_hint=-1, replica_port=4100, held=tuple(held), restart_count=0,
+                      standby_port=4000, rank_hint=-1, replica_port=4100, held=runs(held), restart_count=0,
                       seated_epoch=-1, seated_earlier=(), settled_below=-1, electorate_epoch=-1)
         self.held[node] = set(held)
 
@@ -168,7 +169,7 @@ def _nodes_joined(held_by_node) -> tuple[Coordinator, CapturingSocket]:
     for i, (node, held) in enumerate(held_by_node.items()):
         coordinator._handle(node.encode(), Envelope(0, CONTROL["join"](
             node_id=node, local_world_size=1, addr=f"10.0.0.{i + 1}", standby_port=4000,
-            rank_hint=-1, replica_port=4100 + i, held=tuple(held), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)), 1.0)
+            rank_hint=-1, replica_port=4100 + i, held=runs(held), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)), 1.0)
     coordinator._tick(1.1)
     return coordinator, socket
 

@@ -20,7 +20,7 @@ from ftlaunch_contract.messages import (
     EarlierVoter,
     Fetch,
     Finished,
-    Held,
+    HeldRun,
     NodeRankState,
     NodeState,
     Peer,
@@ -46,7 +46,7 @@ SAMPLE = {int: 7, str: "node-a", (int, float): 1.5, (int, type(None)): None,
           ROW_CHECKS[Successor]: [["node-a", "10.0.0.1", 4000], ["node-b", "10.0.0.2", 4001]],
           ROW_CHECKS[EarlierVoter]: [[1, 3, "node-a", False], [1, 3, "node-c", True]],
           ROW_CHECKS[Peer]: [["node-b", "10.0.0.2", 4100]],
-          ROW_CHECKS[Held]: [[6, 0, 40], [6, 1, 40]],
+          ROW_CHECKS[HeldRun]: [[6, 40, 0, 2], [6, 39, 4, 2]],
           ROW_CHECKS[Fetch]: [[6, 4, 40, "node-a", "10.0.0.1", 4100]],
           ROW_CHECKS[RankState]: [[0, 12, 40], [1, -1, -1]],
           ROW_CHECKS[NodeState]: [["node-a", 0, "running", 120]],
@@ -232,7 +232,7 @@ def test_rejected_message_does_not_advance_sequence():
     assert isinstance(receiver.decode(signed(finished(seq=5))).body, Finished)
 
 
-@pytest.mark.parametrize("version", [0, 2, None, "1"])
+@pytest.mark.parametrize("version", [0, 1, VERSION + 1, None, str(VERSION)])
 def test_wrong_version(version):
     with pytest.raises(ProtocolError, match="version"):
         Codec(SECRET).decode(signed(finished(v=version)))

@@ -13,9 +13,9 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftlaunch_contract.messages import Held, Peer
+from ftlaunch_contract.messages import Held, HeldRun, Peer
 from ftlaunch_contract.staging import Slot
-from launcher.replica_plan import Seat, fetch_plan, holders, newest_in_memory
+from launcher.replica_plan import Seat, fetch_plan, holders, newest_in_memory, runs
 from launcher.replica_service import (
     FetchDone,
     NotTransferred,
@@ -50,8 +50,8 @@ def test_nothing_is_pulled_when_storage_has_a_newer_step_than_memory():
     whole in memory, the ranks restore 50 from storage; pulling 40 would delay them."""
     inventories = {"a": held(2, [0], 50) + held(2, [0, 1], 40)}
     seats = [Seat("a", 0, 1, 2), Seat("spare", 1, 1, 2)]
-    assert fetch_plan(inventories, seats, committed=50) == {}
-    assert fetch_plan(inventories, seats, committed=40) == {"spare": [(Held(2, 1, 40), "a")]}
+    assert fetch_plan(as_runs(inventories), seats, committed=50) == {}
+    assert fetch_plan(as_runs(inventories), seats, committed=40) == {"spare": [(Held(2, 1, 40), "a")]}
 
 
 @settings(max_examples=200, deadline=None)
@@ -72,19 +72,46 @@ def held(world, ranks, step):
     return [Held(world, r, step) for r in ranks]
 
 
+def as_runs(inventories):
+    """What the nodes' joins say they hold."""
+    return {node: runs(shards) for node, shards in inventories.items()}
+
+
+def test_a_join_says_what_its_node_holds_in_runs_of_consecutive_ranks():
+    shards = held(16, [8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7], 40) \
+        + held(16, [2, 3, 5], 39) + held(8, [0, 1], 40) + held(16, [3], 39)  # (twice: once)
+    assert runs(shards) == (HeldRun(8, 40, 0, 2), HeldRun(16, 39, 2, 2), HeldRun(16, 39, 5, 1),
+                            HeldRun(16, 40, 0, 16))
+    assert runs([]) == ()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from("abcd"), st.lists(st.tuples(
+    st.integers(1, 5), st.integers(-1, 5), st.integers(1, 3)), max_size=12), max_size=4))
+def test_the_newest_step_in_memory_from_runs_is_the_one_its_shards_make_whole(copies):
+    """Runs say no more and no less than the shards they stand for (a rank outside its
+    world counts for nothing)."""
+    inventories = {node: [Held(*c) for c in shards] for node, shards in copies.items()}
+    whole = [(step, world) for world in range(1, 6) for step in range(1, 4)
+             if all(any(Held(world, r, step) in shards for shards in inventories.values())
+                    for r in range(world))]
+    expected = (max(whole)[1], max(whole)[0]) if whole else None
+    assert newest_in_memory(as_runs(inventories)) == expected
+
+
 def test_a_replacement_node_pulls_its_ranks_shards_from_their_holders():
     # 3 nodes x 2 ranks, ring a->b->c->a: node c (ranks 4, 5) was lost, its copies live on a.
     inventories = {"a": held(6, [0, 1], 40) + held(6, [4, 5], 40) + held(6, [0, 1], 39),
                    "b": held(6, [2, 3], 40) + held(6, [0, 1], 40)}
     seats = [Seat("a", 0, 2, 6), Seat("b", 2, 2, 6), Seat("spare", 4, 2, 6)]
-    assert newest_in_memory(inventories) == (6, 40)
-    assert fetch_plan(inventories, seats) == {
+    assert newest_in_memory(as_runs(inventories)) == (6, 40)
+    assert fetch_plan(as_runs(inventories), seats) == {
         "spare": [(Held(6, 4, 40), "a"), (Held(6, 5, 40), "a")]}
 
 
 def test_a_resized_world_pulls_every_saved_shard_it_lacks():
     inventories = {"a": held(6, [0, 1, 4, 5], 40), "b": held(6, [2, 3, 0, 1], 40)}
-    plan = fetch_plan(inventories, [Seat("a", 0, 2, 4), Seat("b", 2, 2, 4)])
+    plan = fetch_plan(as_runs(inventories), [Seat("a", 0, 2, 4), Seat("b", 2, 2, 4)])
     assert plan == {"a": [(Held(6, 2, 40), "b"), (Held(6, 3, 40), "b")],
                     "b": [(Held(6, 4, 40), "a"), (Held(6, 5, 40), "a")]}
 
@@ -104,7 +131,7 @@ def test_a_world_resized_past_a_few_nodes_restores_from_storage_not_every_peer()
         seats = [Seat(f"n{i}", 2 * i, 2, 2 * nodes) for i in range(nodes)]
         assert too_wide_to_reshard(2 * saved, seats) == (nodes > RESHARD_FROM_MEMORY_NODES)
         assert not too_wide_to_reshard(2 * nodes, seats), "the same world is never too wide"
-        return fetch_plan(inventories, seats)
+        return fetch_plan(as_runs(inventories), seats)
 
     fits = shrunk_to(RESHARD_FROM_MEMORY_NODES)
     assert len(fits) == RESHARD_FROM_MEMORY_NODES and all(
@@ -114,15 +141,15 @@ def test_a_world_resized_past_a_few_nodes_restores_from_storage_not_every_peer()
 
 def test_no_plan_when_some_rank_of_every_step_is_gone_from_memory():
     inventories = {"a": held(6, [0, 1], 40), "b": held(6, [2, 3], 40)}  # 4, 5: both copies lost
-    assert newest_in_memory(inventories) is None
-    assert fetch_plan(inventories, [Seat("a", 0, 2, 6), Seat("b", 2, 2, 6),
+    assert newest_in_memory(as_runs(inventories)) is None
+    assert fetch_plan(as_runs(inventories), [Seat("a", 0, 2, 6), Seat("b", 2, 2, 6),
                                     Seat("c", 4, 2, 6)]) == {}
 
 
 def test_the_newest_whole_step_wins_even_if_an_older_one_is_held_more_widely():
     inventories = {"a": held(2, [0], 41) + held(2, [0, 1], 40), "b": held(2, [1], 41)}
-    assert newest_in_memory(inventories) == (2, 41)
-    assert fetch_plan(inventories, [Seat("a", 0, 1, 2), Seat("c", 1, 1, 2)]) == {
+    assert newest_in_memory(as_runs(inventories)) == (2, 41)
+    assert fetch_plan(as_runs(inventories), [Seat("a", 0, 1, 2), Seat("c", 1, 1, 2)]) == {
         "c": [(Held(2, 1, 41), "b")]}
 
 
@@ -134,8 +161,8 @@ def test_fetch_plan_property(copies, new_world):
     for node, rank, step in copies:
         inventories.setdefault(node, []).append(Held(4, rank, step))
     seats = [Seat(n, i, 1, new_world) for i, n in enumerate("abcd"[:new_world])]
-    plan = fetch_plan(inventories, seats)
-    newest = newest_in_memory(inventories)
+    plan = fetch_plan(as_runs(inventories), seats)
+    newest = newest_in_memory(as_runs(inventories))
     for node, pulls in plan.items():
         for h, source in pulls:
             assert (h.world_size, h.step) == newest
