@@ -976,22 +976,22 @@ class Coordinator:
         before its ranks restore (from the shards the nodes said they hold when joining;
         nothing when storage has a newer step than memory)."""
         s = self._state
-        ring = [(a.node_id, s.members[a.node_id].addr) for a in assignments]  # domain: host
-        seats = [replica_plan.Seat(a.node_id, a.rank_offset, s.members[a.node_id].local_world_size,
+        members, ports = s.members, s.replica_ports
+        ring = [(a.node_id, members[a.node_id].addr) for a in assignments]  # domain: host
+        seats = [replica_plan.Seat(a.node_id, a.rank_offset, members[a.node_id].local_world_size,
                                    a.world_size) for a in assignments]
         held = {n: s.held.get(n, ()) for n in s.round_joined}
         in_memory = replica_plan.newest_in_memory(held)
         plan = replica_plan.fetch_plan(held, seats, committed, in_memory)
-
-        def peer(node: str) -> Peer:
-            return Peer(node, s.members[node].addr, s.replica_ports.get(node, 0))
-        out = {}
+        # Each node's Peer built once, not once for each node it keeps copies for.
+        keepers = {node: Peer(node, addr, ports[node]) for node, addr in ring if ports.get(node)}
         every_holder = replica_plan.every_holder(ring, s.replicas)
-        for a in assignments:
-            holders = [peer(n) for n in every_holder.get(a.node_id, [])]
-            fetch = tuple(Fetch(h.world_size, h.rank, h.step, *peer(src))
-                          for h, src in plan.get(a.node_id, []))
-            out[a.node_id] = (tuple(p for p in holders if p.port), fetch)
+        out = {node: (tuple(keepers[n] for n in every_holder.get(node, ()) if n in keepers), ())
+               for node, _ in ring}
+        for node, pulls in plan.items():
+            out[node] = (out[node][0], tuple(
+                Fetch(h.world_size, h.rank, h.step, src, members[src].addr, ports.get(src, 0))
+                for h, src in pulls))
         if plan:
             log.info("restoring from peers' memory: %s", {n: [(h.rank, h.step, src) for h, src in pulls]
                                                         for n, pulls in plan.items()})

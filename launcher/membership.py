@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -14,8 +16,7 @@ class Member:
     rank_hint: int = -1  # --node-rank of torchrun's static form; -1 when not given
 
 
-@dataclass(frozen=True)
-class Assignment:
+class Assignment(NamedTuple):  # (a tuple: a 16,384-node round builds as many)
     node_id: str
     group_rank: int
     group_world_size: int
@@ -31,10 +32,13 @@ def assign_ranks(members: list[Member], previous: dict[str, int] | None = None) 
     computes the same answer.
     """
     previous = previous or {}
-    unhinted = 1 << 30
-    ordered = sorted(members, key=lambda m: (previous.get(m.node_id, len(previous)),
-                                             m.rank_hint if m.rank_hint >= 0 else unhinted,
-                                             m.node_id))
+    newcomer, unhinted = len(previous), 1 << 30
+
+    def place(m: Member) -> tuple[int, int]:
+        return previous.get(m.node_id, newcomer), m.rank_hint if m.rank_hint >= 0 else unhinted
+    # By node id, then (stable) by place: most of a large round share one place (a
+    # takeover's survivors, a fresh job), and strings alone sort 3x faster than tuples.
+    ordered = sorted(sorted(members, key=attrgetter("node_id")), key=place)
     world_size = sum(m.local_world_size for m in ordered)
     assignments, offset = [], 0
     for group_rank, m in enumerate(ordered):

@@ -107,6 +107,21 @@ def test_assign_ranks_properties(ids, data):
         assert {a.node_id: a.group_rank for a in second} == previous
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.text(alphabet="abcdef", min_size=1, max_size=2), st.integers(-1, 3)),
+                max_size=10, unique_by=lambda t: t[0]),
+       st.dictionaries(st.text(alphabet="abcdef", min_size=1, max_size=2), st.integers(0, 12),
+                       max_size=6))
+def test_assign_ranks_orders_by_previous_rank_then_node_rank_then_node_id(spec, previous):
+    """The order every node computes alike: a previous group rank first (kept), then
+    ``--node-rank``, then the node id (the two-pass sort must say the same)."""
+    group = [Member(n, 1, "x", hint) for n, hint in spec]
+    expected = sorted(group, key=lambda m: (previous.get(m.node_id, len(previous)),
+                                            m.rank_hint if m.rank_hint >= 0 else 1 << 30,
+                                            m.node_id))
+    assert [a.node_id for a in assign_ranks(group, previous)] == [m.node_id for m in expected]
+
+
 # --- recovery ------------------------------------------------------------------------------
 
 
