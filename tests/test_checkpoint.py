@@ -552,10 +552,21 @@ AGREE = textwrap.dedent("""
             ckpt.save(step, state={"x": torch.full((10,), float(step * 10 + rank))})
         ckpt.wait()
     else:
+        listings, listing = [], ckpt.storage.list
+        def counted(prefix=""):  # who lists storage (rank 0 alone: it tells the others)
+            listings.append(prefix)
+            if phase == "load-unlistable":
+                raise OSError("listing refused")
+            return listing(prefix)
+        ckpt.storage.list = counted
         state = {}
-        step = ckpt.load_latest(state=state)
-        print(json.dumps({"step": step, "x": state["x"][0].item() if state else None,
-                          "source": ckpt.restored_from}))
+        try:
+            step = ckpt.load_latest(state=state)
+        except Exception as e:
+            print(json.dumps({"error": f"{type(e).__name__}: {e}", "listings": len(listings)}))
+        else:
+            print(json.dumps({"step": step, "x": state["x"][0].item() if state else None,
+                              "source": ckpt.restored_from, "listings": len(listings)}))
     dist.destroy_process_group()
 """)
 
@@ -588,6 +599,7 @@ def test_ranks_agree_on_the_newest_step_every_rank_holds(tmp_path):
     both = _two_ranks("load", tmp_path)
     assert [(b["step"], b["x"], b["source"]) for b in both] == [
         (5, 50.0, "shared memory"), (5, 51.0, "shared memory")]
+    assert [b["listings"] for b in both] == [1, 0], "rank 0 alone lists storage"
 
     shutil.rmtree(tmp_path / "shm1")  # rank 1 now runs on another node
     (tmp_path / "shm1").mkdir()
@@ -609,6 +621,19 @@ def test_ranks_agree_on_the_newest_step_every_rank_holds(tmp_path):
     both = _two_ranks("load", tmp_path)
     assert [(b["step"], b["x"]) for b in both] == [(2, 20.0), (2, 21.0)], \
         "rank 0's shard of step 4 is fine, but rank 1's is not: both fall back"
+
+
+def test_a_listing_of_storage_that_fails_on_rank_0_fails_every_ranks_restore_clearly(tmp_path):
+    """Only rank 0 lists storage; if it cannot, no rank waits for it nor guesses: each
+    says why its restore failed."""
+    for r in (0, 1):
+        (tmp_path / f"shm{r}").mkdir()
+    _two_ranks("save", tmp_path)
+    both = _two_ranks("load-unlistable", tmp_path)
+    assert both[0]["error"].startswith("CheckpointError: cannot list checkpoints in ") \
+        and both[0]["error"].endswith(": listing refused"), both[0]
+    assert both[1]["error"].endswith(": rank 0 could not list them"), both[1]
+    assert [b["listings"] for b in both] == [1, 0]
 
 
 FSDP = textwrap.dedent("""

@@ -304,8 +304,7 @@ class AsyncCheckpointer:
                 held[meta["step"]] = index
         return held
 
-    def _memory(self, listed: dict[int, set[int]]) -> dict[tuple[int, int, int],
-                                                            tuple[Path, dict[str, Any]]]:
+    def _memory(self) -> dict[tuple[int, int, int], tuple[Path, dict[str, Any]]]:
         """Shards of this checkpoint whole in this node's shared memory, whichever rank and
         world saved them: the node's staging slots, and the copies its agent keeps for peers
         or pulled from them for this restore -> (meta path, meta), by (world, rank, step).
@@ -317,21 +316,18 @@ class AsyncCheckpointer:
                      *self._staging.glob("rank_*.*.meta")]:
             meta = read_meta(path)
             if meta is not None and meta.get("dest") == self.uri and self._same_save_as_stored(
-                    listed, meta["step"], meta["rank"], meta.get("save_id")):
+                    meta["step"], meta["rank"], meta.get("save_id")):
                 found[(meta["world_size"], meta["rank"], meta["step"])] = (path, meta)
         return found
 
-    def _same_save_as_stored(self, listed: dict[int, set[int]], step: int, rank: int,
-                             save_id: Any) -> bool:
+    def _same_save_as_stored(self, step: int, rank: int, save_id: Any) -> bool:
         """Whether a copy in memory is the save that storage holds for its step, if storage
         holds one: a copy staged before the job went back to an older step (a node lost,
         the world resized) is of another history, even under the same step number."""
-        if rank not in listed.get(step, ()):
-            return True  # not persisted (yet): agreement among the ranks decides
         try:
             stored = shards.read_meta(self.storage, step, rank)
         except shards.ShardError:
-            return True
+            return True  # not persisted (yet): agreement among the ranks decides
         return stored.get("save_id") == save_id
 
     def latest_step(self) -> int | None:
@@ -346,12 +342,8 @@ class AsyncCheckpointer:
         peer's copy), else from storage; a step saved by another world size is resharded."""
         self._finish_copy()  # it changes the state's tensors
         group = _group(self.world_size)
-        try:
-            listed = shards.listing(self.storage)
-            worlds = shards.saved_world_sizes(self.storage, listed)  # others are resharded
-        except OSError as e:
-            raise CheckpointError(f"cannot list checkpoints in {self.uri}: {e}") from None
-        memory = self._memory(listed)
+        worlds = self._committed_worlds(group)  # steps of other world sizes are resharded
+        memory = self._memory()
         staged = {step: slot for step, slot in self.staged_steps().items()
                   if memory.get((self.world_size, self.rank, step), (None,))[0]
                   == self._slots[slot].meta_path}
@@ -412,6 +404,29 @@ class AsyncCheckpointer:
                     self._persist_in_background(staged[step], meta)
             self._reserve_quietly(state)
             return step
+
+    def _committed_worlds(self, group: bool) -> dict[int, int]:
+        """Every committed step on storage -> the world size that saved it. With the ranks
+        in a group only rank 0 lists storage and tells the others: a listing is of every
+        step's every shard, and one a rank at 131,072 ranks was ~70 M requests to an object
+        store (paged by 1,000 keys) for each restore."""
+        steps: dict[int, int] | None = None
+        error = ""
+        if not group or self.rank == 0:
+            try:
+                steps = shards.saved_world_sizes(self.storage)
+            except OSError as e:
+                error = str(e)
+        if group:  # [step, world, ...], or [-1]: rank 0 could not list
+            told = collective.broadcast_ints(
+                [-1] if steps is None else [n for pair in sorted(steps.items()) for n in pair])
+            if told == [-1]:
+                error = error or "rank 0 could not list them"
+            else:
+                steps = dict(zip(told[::2], told[1::2], strict=True))
+        if error or steps is None:
+            raise CheckpointError(f"cannot list checkpoints in {self.uri}: {error}")
+        return steps
 
     def _reserve_quietly(self, state: dict[str, Any]) -> None:
         """Staging for the saves to come, sized from the state just restored (a fresh
