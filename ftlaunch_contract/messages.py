@@ -33,7 +33,7 @@ class Held(NamedTuple):
 
 
 class HeldRun(NamedTuple):
-    """Whole copies of ranks ``first_rank`` .. ``first_rank + count - 1``'s shards of one
+    """Whole copies of ranks ``first_rank`` .. ``first_rank + ranks - 1``'s shards of one
     step in some node's shared memory. A join says what its node holds in runs: a node
     keeps its own ranks' shards and its predecessors' copies, a few runs of consecutive
     ranks, not a record a shard (at 16,384 nodes of 8: 32,768 runs against 262,144)."""
@@ -41,7 +41,7 @@ class HeldRun(NamedTuple):
     world_size: int  # of the world that saved it
     step: int
     first_rank: int
-    count: int
+    ranks: int  # how many (not ``count``: a tuple's method)
 
 
 class EarlierVoter(NamedTuple):

@@ -986,8 +986,9 @@ class Coordinator:
         # Each node's Peer built once, not once for each node it keeps copies for.
         keepers = {node: Peer(node, addr, ports[node]) for node, addr in ring if ports.get(node)}
         every_holder = replica_plan.every_holder(ring, s.replicas)
-        out = {node: (tuple(keepers[n] for n in every_holder.get(node, ()) if n in keepers), ())
-               for node, _ in ring}
+        out: dict[str, tuple[Peers, Fetches]] = {
+            node: (tuple(keepers[n] for n in every_holder.get(node, ()) if n in keepers), ())
+            for node, _ in ring}
         for node, pulls in plan.items():
             out[node] = (out[node][0], tuple(
                 Fetch(h.world_size, h.rank, h.step, src, members[src].addr, ports.get(src, 0))

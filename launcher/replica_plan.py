@@ -71,8 +71,8 @@ def runs(shards: Iterable[Held]) -> tuple[HeldRun, ...]:
     for world, rank, step in sorted(set(shards), key=lambda h: (h.world_size, h.step, h.rank)):
         last = out[-1] if out else None
         if last and (last.world_size, last.step) == (world, step) \
-                and last.first_rank + last.count == rank:
-            out[-1] = last._replace(count=last.count + 1)
+                and last.first_rank + last.ranks == rank:
+            out[-1] = last._replace(ranks=last.ranks + 1)
         else:
             out.append(HeldRun(world, step, rank, 1))
     return tuple(out)
@@ -82,8 +82,8 @@ def newest_in_memory(held: Mapping[str, Iterable[HeldRun]]) -> tuple[int, int] |
     """(world size, step) of the newest step whose every rank some node holds in memory."""
     spans: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (world, step) -> (first, end)
     for copies in held.values():
-        for world, step, first, count in copies:
-            spans.setdefault((world, step), []).append((first, first + count))
+        for world, step, first, ranks in copies:
+            spans.setdefault((world, step), []).append((first, first + ranks))
     whole = [(step, world) for (world, step), have in spans.items() if _covers(have, world)]
     if not whole:
         return None
@@ -120,7 +120,7 @@ def fetch_plan(held: Mapping[str, Iterable[HeldRun]], seats: list[Seat], committ
     if newest is None or newest[1] < committed or too_wide_to_reshard(newest[0], seats):
         return {}
     world, step = newest
-    spans = {node: [(r.first_rank, r.first_rank + r.count) for r in copies
+    spans = {node: [(r.first_rank, r.first_rank + r.ranks) for r in copies
                     if (r.world_size, r.step) == newest] for node, copies in held.items()}
     wanted = {}  # seat -> the ranks it lacks
     for seat in seats:
