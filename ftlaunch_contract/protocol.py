@@ -35,7 +35,7 @@ _OPT_INT = (int, type(None))
 
 def _rows(record: type[tuple[Any, ...]]) -> Any:
     """A list of ``record``s, each a list of its fields' types (an int is never a bool)."""
-    types = list(get_type_hints(record).values())
+    types = tuple(get_type_hints(record).values())
 
     # An assign's members and spares (both of Successors) go out N times a round, unchanged:
     # the last few checked, held so that `is` cannot meet a new object at a freed address.
@@ -46,8 +46,8 @@ def _rows(record: type[tuple[Any, ...]]) -> Any:
             if value is seen:  # a tuple of tuples of ints and strs: immutable, checked
                 return True
         ok = isinstance(value, (list, tuple)) and len(value) <= 100_000 and all(
-            isinstance(row, (list, tuple)) and len(row) == len(types)
-            and all(type(v) is t for v, t in zip(row, types, strict=True)) for row in value)
+            isinstance(row, (list, tuple)) and tuple(map(type, row)) == types  # exact types
+            for row in value)
         if ok and value and type(value) is tuple and all(type(row) is not list for row in value):
             recent.append(value)
         return ok
@@ -126,7 +126,7 @@ _ROW_FIELDS = {**_row_fields(messages.CONTROL), **_row_fields(messages.LOCAL)}
 def _build(cls: type[Body], fields: dict[str, Any]) -> Body:
     for name, record in _ROW_FIELDS[cls]:
         fields[name] = tuple(fields[name]) if record is None else \
-            tuple(record(*row) for row in fields[name])
+            tuple(map(record._make, fields[name]))  # rows checked: no arguments to parse
     return cls(**fields)
 
 

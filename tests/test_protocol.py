@@ -452,11 +452,22 @@ def test_any_single_byte_flip_is_refused(message, data):
 @pytest.mark.parametrize("members", [
     "node-a", [["node-a", "10.0.0.1"]], [["node-a", "10.0.0.1", "4000"]],
     [["node-a", "10.0.0.1", True]], [("node-a", 1, 2)], [None],
+    [["node-a", "10.0.0.1", 4000, 1]],
 ])
 def test_malformed_member_list_refused(members):
     fields = {**valid_fields("assign"), "members": members}
     with pytest.raises(ProtocolError, match="assign.members"):
         Codec(SECRET).decode(signed({**envelope(type="assign"), **fields}))
+
+
+@pytest.mark.parametrize("held", [
+    [[6, 0, 40]],  # protocol 1's row: a shard, not a run
+    [[6, 40, 0, True]], [[6, 40, 0, 2.0]], [[6, 40, 0, 2, 1]], [(6, 40, "0", 2)], [[]], [7],
+])
+def test_malformed_held_runs_refused(held):
+    fields = {**valid_fields("join"), "held": held}
+    with pytest.raises(ProtocolError, match="join.held: malformed"):
+        Codec(SECRET).decode(signed({**envelope(type="join"), **fields}))
 
 
 @pytest.mark.parametrize("epochs", [3, "3", [1, True], [1.0], [None], [[1]], list(range(10_001))])
