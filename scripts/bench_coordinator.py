@@ -40,7 +40,7 @@ import msgpack
 import zmq
 from bench_rendezvous import coordinator_cpu, roomy_kernel
 
-from ftlaunch_contract.messages import CONTROL, Assign, Heartbeat, Held, Join
+from ftlaunch_contract.messages import CONTROL, Assign, Heartbeat, Held, Join, RankState
 from ftlaunch_contract.protocol import Codec, Envelope
 from launcher import membership
 from launcher.coordinator import Coordinator, JobState, RoundPhase, bind_router
@@ -247,12 +247,14 @@ def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False,
     else:
         beat, sent = membership.beat_interval(0.5, n) / len(ids), 0  # evenly spread
         order = list(ids)
+        # As a node of 8 ranks says them for `ftlaunch status`: rank, step, beat age (ms).
+        ranks = {i: tuple(RankState(8 * i + r, 1000, 40) for r in range(8)) for i in ids}
         while (now := time.monotonic()) < t0 + window:
             if now < t0 + sent * beat:
                 time.sleep(t0 + sent * beat - now)
             i = order[sent % len(order)]
             socks[i].send_multipart(codecs[i].encode(Heartbeat(node_id=node(i), phase="running",
-                                                               ranks=(), electorate_epoch=0), 0))
+                                                               ranks=ranks[i], electorate_epoch=0), 0))
             sent += 1
             if sent % 256 == 0:  # the acks
                 for sock in socks.values():
