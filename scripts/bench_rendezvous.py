@@ -49,7 +49,7 @@ import time
 import psutil
 import zmq
 
-from ftlaunch_contract.messages import Assign, Join, Recover, Redirect, Start, StoreReady
+from ftlaunch_contract.messages import Assign, Join, RankState, Recover, Redirect, Start, StoreReady
 from launcher import membership
 from launcher.control_plane import ControlPlane
 from launcher.coordinator import JobState
@@ -59,6 +59,7 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 SECRET = b"bench-rendezvous-secret-0123456789abcdef"
 LOCAL_WORLD = 8
+RANKS = tuple(RankState(r, 1000, 40) for r in range(LOCAL_WORLD))  # rank, step, beat age ms
 FDS_PER_AGENT = 20  # 2 DEALERs, their monitor pairs, the standby ROUTER: sockets, mailboxes
 
 
@@ -245,7 +246,7 @@ class Agents:
         for i in self.live():
             p = self.planes[i]
             if self.joined and now >= p.next_heartbeat:
-                p.heartbeat_if_due(now, self.epoch[i], "running")
+                p.heartbeat_if_due(now, self.epoch[i], "running", RANKS)  # as a real node's
                 self.last_beat[i], self.beats = now, self.beats + 1
                 self.serve(i)
             if p.coordinator_lost(now):
