@@ -714,7 +714,13 @@ RESHARD = textwrap.dedent("""
         loss.backward(); opt.step(); opt.zero_grad()
         ckpt.save(7, train=ft.DistributedState(model, opt))
         ckpt.wait()
-    else:
+    metas, read = set(), ckpt.storage.read
+    def counted(name):  # whose shard metas this rank reads
+        if name.endswith(".meta"):
+            metas.add(int(name.rsplit("rank_", 1)[1].split(".")[0]))
+        return read(name)
+    ckpt.storage.read = counted
+    if phase == "load":
         assert ckpt.load_latest(train=ft.DistributedState(model, opt)) == 7
     full = {}
     for part, states in zip(("model", "optim"), dcp.get_state_dict(model, opt)):
@@ -723,7 +729,8 @@ RESHARD = textwrap.dedent("""
         for name, value in sorted(flat.items()):
             value = value.full_tensor() if hasattr(value, "full_tensor") else value
             full[f"{part}.{name}"] = hashlib.sha256(value.detach().numpy().tobytes()).hexdigest()
-    print(json.dumps({"full": full, "source": ckpt.restored_from, "read": ckpt.restored_bytes}))
+    print(json.dumps({"full": full, "source": ckpt.restored_from, "read": ckpt.restored_bytes,
+                      "metas": sorted(metas)}))
     ckpt.close()
     dist.destroy_process_group()
 """)
@@ -752,6 +759,12 @@ def test_fsdp_state_resumes_on_fewer_and_on_more_ranks(tmp_path):
     saved = _ranks(3, "save", tmp_path, RESHARD)
     assert len(saved[0]["full"]) == 16  # 4 parameters, each with exp_avg, exp_avg_sq, step
     stored = sum(f.stat().st_size for f in (tmp_path / "ckpt").rglob("*.bin"))
+    # Whose metas each new rank reads: its old rank's (or rank 0's), its share of the saved
+    # ranks' (every new-world-th from its rank: they gather where each part sits), and
+    # those of the parts its new shards overlap (33 rows in 3 parts of 11; on 2 ranks
+    # 17 + 16, on 4: 9 + 9 + 9 + 6; 5 rows: 2 + 2 + 1 -> 3 + 2, 2 + 2 + 1 + 0). Not every
+    # saved rank's: that was W^2 reads in all, 16.7 M at 4,096 ranks.
+    metas = {2: [[0, 1, 2], [1, 2]], 4: [[0], [0, 1], [1, 2], [0, 2]]}
     for world in (2, 4):
         loaded = _ranks(world, "load", tmp_path, RESHARD)
         for ld in loaded:
@@ -760,6 +773,7 @@ def test_fsdp_state_resumes_on_fewer_and_on_more_ranks(tmp_path):
             # only the blocks its new shards overlap (here each shard is one 4 MiB block:
             # never all three; test_shards checks ranges within big shards)
             assert ld["read"]["storage"] < stored, ld["read"]
+        assert [ld["metas"] for ld in loaded] == metas[world]
 
 
 def test_plain_state_resumes_on_another_world_size_from_its_old_rank_or_rank_0(tmp_path):
@@ -826,6 +840,42 @@ def test_a_step_whose_shards_come_from_different_histories_is_not_restored(tmp_p
     _two_ranks("resave", tmp_path, HISTORY)
     loaded = _two_ranks("load", tmp_path, HISTORY)
     assert [(ld["step"], ld["x"]) for ld in loaded] == [(4, 40.0), (4, 41.0)]
+
+
+RESHARDED_LOAD = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    from trainer_shim.checkpoint import AsyncCheckpointer
+    rank, phase, root, port = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    ckpt = AsyncCheckpointer(root, rank=rank, world_size=2, staging_dir=None)
+    got = {}
+    print(json.dumps({"step": ckpt.load_latest(state=got), "w": got["w"].tolist()}))
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("doctored", [1, 2])
+def test_a_resharded_step_whose_shards_come_from_different_saves_is_not_restored(tmp_path,
+                                                                                  doctored):
+    """Steps 4 and 5 saved by 3 ranks, restored on 2: the ranks read a share of the saved
+    metas each, so a shard of another save is found by whichever rank reads it: saved rank
+    1's by new rank 1 as its own (the ranks then disagree on the save), saved rank 2's by
+    new rank 0 in its share. Either way both ranks restore step 4, never a mix."""
+    import msgpack
+
+    from ftlaunch_contract import shards
+
+    for r in range(3):
+        ckpt = AsyncCheckpointer(tmp_path, rank=r, world_size=3, staging_dir=None)
+        for step in (4, 5):
+            ckpt.save(step, state={"w": torch.full((2,), float(10 * step + r))})
+        ckpt.close()
+    meta = tmp_path / shards.meta_name(5, doctored)
+    fields = msgpack.unpackb(meta.read_bytes(), raw=False, strict_map_key=False)
+    meta.write_bytes(msgpack.packb({**fields, "history": [[9, 9]]}))  # a world that went back
+    loaded = _two_ranks("load", tmp_path, RESHARDED_LOAD)
+    assert [(ld["step"], ld["w"]) for ld in loaded] == [(4, [40.0, 40.0]), (4, [41.0, 41.0])]
 
 
 class CountingStorage(PosixStorage):

@@ -35,6 +35,18 @@ def broadcast_ints(values: list[int]) -> list[int]:
     return [int(v) for v in data.tolist()]
 
 
+def all_gather_ints(values: list[int]) -> list[list[int]]:
+    """Every rank's ``values`` (of any length), in rank order."""
+    import torch
+    import torch.distributed as dist
+
+    longest = all_reduce_int(len(values), "max")
+    mine = _ints([*values, *[0] * (longest - len(values)), len(values)])  # its length last
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [row[:row[-1]] for row in (t.tolist() for t in gathered)]
+
+
 def _ints(values: list[int]) -> Any:
     """An int64 tensor on the device the process group's backend needs (NCCL only reduces
     GPU tensors)."""
