@@ -137,6 +137,9 @@ class Join(Body):
     held: HeldRuns  # checkpoint shards whole in this node's memory
     restart_count: int  # the job's, as this agent knows it: a fresh coordinator takes the max
     seated_epoch: int  # the epoch of the round this node last held a seat in; -1: none yet
+    # Its group rank in that round (-1: none): a successor, which knows 16 by name, keeps
+    # every survivor's seat, so that ranks do not move and restore from their own memory.
+    group_rank: int
     # Those before it since settled_below: a successor counts a large earlier round by them.
     seated_earlier: Epochs
     # Every electorate of an epoch before it is settled, as its coordinator told this node

@@ -782,6 +782,8 @@ class Agent:
                                  held=replica_plan.runs(self.replicas.inventory()),
                                  restart_count=self.restart_count,
                                  seated_epoch=self.seats[-1] if self.seats else -1,
+                                 group_rank=self.assignment.group_rank
+                                 if self.seats and self.assignment else -1,
                                  seated_earlier=tuple(self.seats[:-1]),
                                  settled_below=settled,
                                  electorate_epoch=self.control.electorate_epoch))

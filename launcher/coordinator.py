@@ -150,6 +150,9 @@ class JobState:
     replicas: int = 0  # peers keeping a copy of each node's staged checkpoints
     replica_ports: dict[str, int] = field(default_factory=dict)
     held: dict[str, HeldRuns] = field(default_factory=dict)  # shards in memory, as joined
+    # Group ranks the joins of the last round's nodes say they held (a successor knows 16
+    # by name: group_ranks); the next round keeps them (membership.assign_ranks).
+    seats_held: dict[str, int] = field(default_factory=dict)
     run_id: str = ""
     last_cause: str = ""  # of the latest recovery
     node_status: dict[str, tuple[str, RankStates]] = field(default_factory=dict)  # heartbeats
@@ -744,6 +747,8 @@ class Coordinator:
         self._seen(node, now)
         if s.phase == RoundPhase.JOINING and msg.seated_epoch == s.electorate_epoch:
             s.back.add(node)  # of the last round, if a takeover's assign did not name it
+        if msg.seated_epoch == s.epoch and msg.group_rank >= 0:
+            s.seats_held[node] = msg.group_rank
         # A coordinator that started afresh (its node re-created) learns the job's restarts.
         s.restart_count = max(s.restart_count, msg.restart_count)
         if (s.phase == RoundPhase.JOINING and msg.seated_epoch == s.epoch
@@ -828,7 +833,7 @@ class Coordinator:
         with its replacement when one joins), unless every node is leaving."""
         s = self._state
         s.leaving.add(node)
-        for table in (s.members, s.standby_ports, s.identities, s.last_seen, s.held,
+        for table in (s.members, s.standby_ports, s.identities, s.last_seen, s.held, s.seats_held,
                       s.replica_ports):
             table.pop(node, None)
         s.round_joined.discard(node)
@@ -934,7 +939,8 @@ class Coordinator:
         spares = self._idle_spares(now)
         s.round_joined.update(spares[:max(0, s.max_nodes - len(s.round_joined))])  # in for the lost
         assignments = membership.assign_ranks([s.members[n] for n in s.round_joined],
-                                              s.group_ranks)
+                                              {**s.seats_held, **s.group_ranks})
+        s.seats_held = {}
         s.group_ranks = {a.node_id: a.group_rank for a in assignments}
         s.spares = tuple(Successor(n, s.members[n].addr, s.standby_ports[n])
                          for n in self._idle_spares(now)[:SUCCESSORS])
@@ -1277,7 +1283,7 @@ class Coordinator:
         else:
             log.warning("node %s lost: no heartbeat for %.1fs", node, now - s.last_seen[node])
             cause = f"node {node} lost (no heartbeat for {self._liveness():g}s)"
-        for table in (s.members, s.standby_ports, s.identities, s.last_seen, s.held,
+        for table in (s.members, s.standby_ports, s.identities, s.last_seen, s.held, s.seats_held,
                       s.replica_ports, self._hosting):
             table.pop(node, None)
         s.round_joined.discard(node)

@@ -32,7 +32,7 @@ def assign_ranks(members: list[Member], previous: dict[str, int] | None = None) 
     computes the same answer.
     """
     previous = previous or {}
-    newcomer, unhinted = len(previous), 1 << 30
+    newcomer, unhinted = max(previous.values(), default=-1) + 1, 1 << 30
 
     def place(m: Member) -> tuple[int, int]:
         return previous.get(m.node_id, newcomer), m.rank_hint if m.rank_hint >= 0 else unhinted

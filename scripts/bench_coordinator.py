@@ -160,7 +160,7 @@ def decider(n, encode):
     joins = [Envelope(5, CONTROL["join"](
         node_id=node(i), local_world_size=8, addr=f"10.{i // 65536}.{i // 256 % 256}.{i % 256}",
         standby_port=1, rank_hint=-1, replica_port=7000, held=held(i), restart_count=0,
-        seated_earlier=(), settled_below=-1, seated_epoch=5, electorate_epoch=5))
+        seated_earlier=(), settled_below=-1, group_rank=-1, seated_epoch=5, electorate_epoch=5))
         for i in range(1, n)]
     best = (float("inf"), float("inf"))
     for _ in range(3):
@@ -221,7 +221,7 @@ def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False,
                 socks[i] = dealer(context, port)
             socks[i].send_multipart(codecs[i].encode(Join(
                 node_id=node(i), local_world_size=8, addr="127.0.0.1", rank_hint=-1,
-                standby_port=1, replica_port=0, held=(), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=5, electorate_epoch=5), 5))
+                standby_port=1, replica_port=0, held=(), restart_count=0, seated_earlier=(), settled_below=-1, group_rank=-1, seated_epoch=5, electorate_epoch=5), 5))
         sent_at, arrived = time.monotonic(), {}
         if joins_first:
             conn.send(sent_at)

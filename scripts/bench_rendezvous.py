@@ -173,7 +173,7 @@ class Agents:
         seats = self.seats[i] = membership.seats_to_report(self.seats.get(i, []), p.settled_below)
         p.send(Join(node_id=p.node_id, local_world_size=LOCAL_WORLD, addr=p.addr,
                     rank_hint=-1, standby_port=p.standby_port or 0, replica_port=0, held=(),
-                    restart_count=0, seated_epoch=seats[-1] if seats else -1,
+                    restart_count=0, group_rank=-1, seated_epoch=seats[-1] if seats else -1,
                     seated_earlier=tuple(seats[:-1]), settled_below=p.settled_below,
                     electorate_epoch=p.electorate_epoch), self.epoch[i])
         self.serve(i)  # a send may take the fd's signal of what arrived meanwhile

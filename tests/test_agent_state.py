@@ -673,10 +673,10 @@ def test_a_join_says_every_round_the_node_held_a_seat_in_since_the_oldest_not_se
     them, each not settled is reported (not only the last two); a settled one no more."""
     machine = AgentMachine()
 
-    def rounds(restarts):
+    def rounds(restarts, group_rank=0):
         for restart in restarts:
             machine.joins_pending = 1
-            machine.assign(group_rank=0)
+            machine.assign(group_rank=group_rank)
             machine._order("recover", policy="job", restart_count=restart, delay=0.0,
                            cause="x")
             for _ in range(3):  # (no ranks run: it stops at once and joins again)
@@ -685,8 +685,10 @@ def test_a_join_says_every_round_the_node_held_a_seat_in_since_the_oldest_not_se
 
     rounds((1, 2, 3))
     machine.control.settled_below = 2  # its coordinator said the round of epoch 1's is
-    rounds((4,))
+    rounds((4,), group_rank=1)
     joins = [(m.seated_epoch, m.seated_earlier, m.settled_below)
              for m in machine.control.sent if m.TYPE == "join"]
     assert joins == [(-1, (), -1), (1, (), -1), (2, (1,), -1), (3, (1, 2), -1),
                      (4, (2, 3), 2)]
+    # and its seat in the last of them, which a successor keeps (it knows 16 by name)
+    assert [m.group_rank for m in machine.control.sent if m.TYPE == "join"] == [-1, 0, 0, 0, 1]

@@ -73,7 +73,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         """``held``: the checkpoint shards the node says it has in memory."""
         self._deliver(node, "join", node_id=node, local_world_size=size, addr=f"10.0.0.{node[1]}",
                       standby_port=4000, rank_hint=-1, replica_port=4100, held=runs(held), restart_count=0,
-                      seated_epoch=-1, seated_earlier=(), settled_below=-1, electorate_epoch=-1)
+                      group_rank=-1, seated_epoch=-1, seated_earlier=(), settled_below=-1, electorate_epoch=-1)
         self.held[node] = set(held)
 
     @rule(node=st.sampled_from(NODES))
@@ -169,7 +169,7 @@ def _nodes_joined(held_by_node) -> tuple[Coordinator, CapturingSocket]:
     for i, (node, held) in enumerate(held_by_node.items()):
         coordinator._handle(node.encode(), Envelope(0, CONTROL["join"](
             node_id=node, local_world_size=1, addr=f"10.0.0.{i + 1}", standby_port=4000,
-            rank_hint=-1, replica_port=4100 + i, held=runs(held), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)), 1.0)
+            rank_hint=-1, replica_port=4100 + i, held=runs(held), restart_count=0, seated_earlier=(), settled_below=-1, group_rank=-1, seated_epoch=-1, electorate_epoch=-1)), 1.0)
     coordinator._tick(1.1)
     return coordinator, socket
 
@@ -256,7 +256,7 @@ def test_a_node_lost_while_a_round_forms_gives_its_seat_to_a_waiting_spare():
     coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
     state = coordinator._state
     join = CONTROL["join"](node_id="spare", local_world_size=1, addr="10.0.0.3",
-                           standby_port=4000, rank_hint=-1, replica_port=4102, held=(), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)
+                           standby_port=4000, rank_hint=-1, replica_port=4102, held=(), restart_count=0, seated_earlier=(), settled_below=-1, group_rank=-1, seated_epoch=-1, electorate_epoch=-1)
     coordinator._handle(b"spare", Envelope(0, join), 1.2)
     coordinator._handle(b"a", Envelope(1, CONTROL["store_ready"](master_addr="10.0.0.1",
                                                                  master_port=29500)), 1.3)
@@ -267,7 +267,7 @@ def test_a_node_lost_while_a_round_forms_gives_its_seat_to_a_waiting_spare():
     assert state.phase == "joining"
     coordinator._handle(b"a", Envelope(1, CONTROL["join"](
         node_id="a", local_world_size=1, addr="10.0.0.1", standby_port=4000, rank_hint=0,
-        replica_port=4100, held=(), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)), 2.1)
+        replica_port=4100, held=(), restart_count=0, seated_earlier=(), settled_below=-1, group_rank=-1, seated_epoch=-1, electorate_epoch=-1)), 2.1)
     for now in (3.0, 5.0, 6.0, 7.5):  # b is silent; a and the spare are not
         state.last_seen.update(a=now, spare=now)
         coordinator._tick(now)
@@ -302,7 +302,7 @@ def test_a_pod_stopped_by_sigterm_leaves_and_its_replacement_takes_its_seat():
     for node, now in (("a", 3.1), ("b-replacement", 4.0)):
         coordinator._handle(node.encode(), Envelope(1, CONTROL["join"](
             node_id=node, local_world_size=1, addr="10.0.0.9", standby_port=4000,
-            rank_hint=-1, replica_port=4100, held=(), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)), now)
+            rank_hint=-1, replica_port=4100, held=(), restart_count=0, seated_earlier=(), settled_below=-1, group_rank=-1, seated_epoch=-1, electorate_epoch=-1)), now)
     coordinator._tick(5.5)
     assert sorted(state.group_ranks) == ["a", "b-replacement"]
     assert state.phase == "waiting_store" and state.restart_count == 0, "not a failure"
@@ -328,7 +328,7 @@ def _fresh(host: str = "p0") -> tuple[Coordinator, CapturingSocket]:
 def _join(coordinator: Coordinator, node: str, epoch: int, now: float) -> None:
     coordinator._handle(node.encode(), Envelope(epoch, CONTROL["join"](
         node_id=node, local_world_size=1, addr="10.0.0.9", standby_port=4000, rank_hint=-1,
-        replica_port=4100, held=(), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)), now)
+        replica_port=4100, held=(), restart_count=0, seated_earlier=(), settled_below=-1, group_rank=-1, seated_epoch=-1, electorate_epoch=-1)), now)
 
 
 def test_a_fresh_coordinator_continues_the_epochs_of_the_job_it_finds():
@@ -601,7 +601,7 @@ def _join_round(coordinator: Coordinator, node: str, seated_epoch: int, now: flo
     coordinator._handle(node.encode(), Envelope(coordinator._state.epoch, CONTROL["join"](
         node_id=node, local_world_size=1, addr="10.0.0.9", standby_port=4000, rank_hint=-1,
         replica_port=0, held=(), restart_count=1, seated_earlier=seated_earlier,
-        settled_below=settled_below, seated_epoch=seated_epoch,
+        settled_below=settled_below, group_rank=-1, seated_epoch=seated_epoch,
         electorate_epoch=seated_epoch if electorate_epoch is None else electorate_epoch)), now)
 
 
@@ -683,6 +683,26 @@ def _large_takeover(nodes: list[str], epoch: int, **fields) -> Coordinator:
     for rank, node in enumerate(named[1:], start=1):
         state.group_ranks[node], state.standby_ports[node], state.last_seen[node] = rank, 4000, 1.0
     return Coordinator(CapturingSocket(), SECRET, state, "coordinator node n00 lost")
+
+
+def test_a_large_takeovers_survivors_keep_their_group_ranks_whatever_their_node_ids():
+    """40 nodes whose group ranks past the 16 an assign names are not in node-id order (the
+    job replaced or added nodes: a newcomer takes the last seat) lose the coordinator's
+    node. Each survivor's join says its seat; the successor keeps their order, so each
+    node's ranks move only as far as the lost seat shifts them (its own shards, or its
+    predecessor's copies, which it holds: no pulls). Ordered by node id, the 24 would have
+    been reversed."""
+    nodes = [f"n{i:02}" for i in range(16)] + [f"m{99 - i}" for i in range(16, 40)]
+    coordinator = _large_takeover(nodes, 3, gone={"n00"})
+    state = coordinator._state
+    for rank, node in enumerate(nodes[1:], start=1):
+        coordinator._handle(node.encode(), Envelope(3, CONTROL["join"](
+            node_id=node, local_world_size=1, addr="10.0.0.9", standby_port=4000, rank_hint=-1,
+            replica_port=0, held=(), restart_count=1, seated_earlier=(), settled_below=-1,
+            seated_epoch=3, group_rank=rank, electorate_epoch=3)), 1.2)
+    coordinator._tick(2.5)
+    assert state.phase == "waiting_store"
+    assert sorted(state.group_ranks, key=state.group_ranks.get) == nodes[1:]
 
 
 def test_the_round_after_a_large_takeover_counts_the_survivors_that_said_they_held_seats():
@@ -828,12 +848,12 @@ def test_a_member_that_joins_again_without_its_seat_is_sent_its_assign_again():
     assert sent_to(b"b") == ["assign"]
     coordinator._handle(b"b-again", Envelope(state.epoch, CONTROL["join"](
         node_id="b", local_world_size=1, addr="10.0.0.2", standby_port=4000, rank_hint=-1,
-        replica_port=4101, held=(), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)), 1.25)
+        replica_port=4101, held=(), restart_count=0, seated_earlier=(), settled_below=-1, group_rank=-1, seated_epoch=-1, electorate_epoch=-1)), 1.25)
     assert [m.body for to, m in socket.sent if to == b"b-again"] == [first[b"b"]]
     _running(coordinator)
     coordinator._handle(b"b-third", Envelope(state.epoch, CONTROL["join"](
         node_id="b", local_world_size=1, addr="10.0.0.2", standby_port=4000, rank_hint=-1,
-        replica_port=4101, held=(), restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=0, electorate_epoch=0)), 1.4)
+        replica_port=4101, held=(), restart_count=0, seated_earlier=(), settled_below=-1, group_rank=-1, seated_epoch=0, electorate_epoch=0)), 1.4)
     assert sent_to(b"b-third") == ["assign", "start"], "started already: the start as well"
     assert sorted(state.group_ranks) == ["a", "b"] and state.phase == "running"
 
@@ -925,7 +945,7 @@ def test_a_spare_silent_for_half_the_liveness_timeout_is_not_seated_until_it_spe
     state = coordinator._state
     spare = CONTROL["join"](node_id="s", local_world_size=1, addr="10.0.0.3", standby_port=4000,
                             rank_hint=-1, replica_port=4102, held=(), restart_count=0,
-                            seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1)
+                            seated_earlier=(), settled_below=-1, group_rank=-1, seated_epoch=-1, electorate_epoch=-1)
     coordinator._handle(b"s", Envelope(1, spare), 1.4)
     liveness = coordinator._liveness()
     later = 1.4 + liveness / 2 + 0.1  # s silent since 1.4; a beats on

@@ -116,7 +116,8 @@ def test_assign_ranks_orders_by_previous_rank_then_node_rank_then_node_id(spec, 
     """The order every node computes alike: a previous group rank first (kept), then
     ``--node-rank``, then the node id (the two-pass sort must say the same)."""
     group = [Member(n, 1, "x", hint) for n, hint in spec]
-    expected = sorted(group, key=lambda m: (previous.get(m.node_id, len(previous)),
+    newcomer = max(previous.values(), default=-1) + 1  # after every previous rank
+    expected = sorted(group, key=lambda m: (previous.get(m.node_id, newcomer),
                                             m.rank_hint if m.rank_hint >= 0 else 1 << 30,
                                             m.node_id))
     assert [a.node_id for a in assign_ranks(group, previous)] == [m.node_id for m in expected]

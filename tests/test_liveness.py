@@ -361,7 +361,7 @@ def test_a_node_that_stood_down_leaves_its_standby_socket_to_the_successor_it_ma
         spare.connect(f"tcp://127.0.0.1:{port}")
         spare.send_multipart(codec.encode(CONTROL["join"](
             node_id="s", local_world_size=1, addr="127.0.0.1", standby_port=0, rank_hint=-1,
-            replica_port=0, held=(), restart_count=1, seated_earlier=(), settled_below=-1, seated_epoch=-1, electorate_epoch=-1), 5))
+            replica_port=0, held=(), restart_count=1, seated_earlier=(), settled_below=-1, group_rank=-1, seated_epoch=-1, electorate_epoch=-1), 5))
         assert not spare.poll(500), "answered by a coordinator that stood down"
         state = _takeover_state({"b": 0})  # a lost for good: b takes over for real
         successor = Coordinator(inside.release(), SECRET, state, "coordinator node a lost")
@@ -429,7 +429,7 @@ def test_joins_queued_on_a_successors_standby_from_connections_since_closed_take
         return codec.encode(CONTROL["join"](
             node_id=node, local_world_size=1, addr="127.0.0.1", standby_port=standby_port,
             rank_hint=-1, replica_port=0, held=(), restart_count=1, seated_earlier=(),
-            settled_below=-1, seated_epoch=seated_epoch, electorate_epoch=5), 5)
+            settled_below=-1, group_rank=-1, seated_epoch=seated_epoch, electorate_epoch=5), 5)
 
     monitor = connection_monitor(standby, zmq.EVENT_DISCONNECTED)
     large = max_nodes > 3
@@ -556,7 +556,7 @@ peer.connect(f"tcp://127.0.0.1:{port}")
 peer.send_multipart(Codec(secret).encode(CONTROL["join"](
     node_id="s", local_world_size=1, addr="127.0.0.1", standby_port=standby, rank_hint=-1,
     replica_port=0, held=(), restart_count=0, seated_earlier=(), settled_below=-1,
-    seated_epoch=-1, electorate_epoch=-1), 0))
+    group_rank=-1, seated_epoch=-1, electorate_epoch=-1), 0))
 if sys.argv[4:] == ["when told"]:
     sys.stdin.read()
     import os
@@ -704,7 +704,7 @@ def test_an_agent_whose_own_coordinator_stood_down_before_it_spoke_follows_the_r
         assert b.own_redirect() is None, "taken once"
         b.send(CONTROL["join"](node_id="b", local_world_size=1, addr="127.0.0.1",
                                standby_port=b.standby_port, rank_hint=-1, replica_port=0,
-                               held=(), restart_count=1, seated_earlier=(), settled_below=-1, seated_epoch=5, electorate_epoch=5), word.epoch)
+                               held=(), restart_count=1, seated_earlier=(), settled_below=-1, group_rank=-1, seated_epoch=5, electorate_epoch=5), word.epoch)
         while not isinstance((message := heard()[1]).body, CONTROL["join"]):
             pass  # its announcements, until the stand-down took effect
         assert message.body.node_id == "b", "b's join reaches the job's coordinator"

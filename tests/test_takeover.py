@@ -32,7 +32,7 @@ def _state() -> JobState:
 def _join(plane: ControlPlane, epoch: int, seated: int) -> None:
     plane.send(Join(node_id=plane.node_id, local_world_size=1, addr=plane.addr,
                     standby_port=plane.standby_port, rank_hint=-1, replica_port=0, held=(),
-                    restart_count=0, seated_earlier=(), settled_below=-1, seated_epoch=seated, electorate_epoch=seated), epoch)
+                    restart_count=0, seated_earlier=(), settled_below=-1, group_rank=-1, seated_epoch=seated, electorate_epoch=seated), epoch)
 
 
 def _assigned(plane: ControlPlane, after: int, never_lost: bool = False) -> int:
