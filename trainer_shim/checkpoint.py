@@ -539,7 +539,9 @@ class AsyncCheckpointer:
                 if (meta.get("world_size"), meta.get("history"), _skeleton(meta["tree"])) != save:
                     raise CheckpointError(f"step {step}: its shards come from different saves "
                                           "or states (cannot reshard them)")
-                mine += [r, *_encoded_boxes(_shard_boxes(meta["tree"]))]
+                boxes_saved = [shard.box for shard in _shards_in(
+                    _decode(meta["tree"], [None] * len(meta["tensors"])))]  # (nothing read)
+                mine += [r, *_encoded_boxes(boxes_saved)]
             mine = [1, zlib.crc32(repr(save).encode()), *mine]
         except CheckpointError as e:
             error, mine = e, [0, 0]
@@ -558,10 +560,9 @@ class AsyncCheckpointer:
 
         def shards_of(r: int) -> list[_Shard]:  # saved rank r's sharded tensors, not read yet
             if r not in decoded:
-                src, found = source(r), list[_Shard]()
-                _map_shards(_decode(src.meta["tree"], [_Lazy(src, e) for e in src.meta["tensors"]]),
-                            found.append)
-                decoded[r] = found
+                src = source(r)
+                decoded[r] = _shards_in(_decode(src.meta["tree"],
+                                                [_Lazy(src, e) for e in src.meta["tensors"]]))
             return decoded[r]
         leaves = iter(range(len(boxes[own])))
 
@@ -727,27 +728,6 @@ def _map_copy(meta_path: Path, meta: dict[str, Any]) -> Any:
     return mapped
 
 
-def _shard_boxes(encoded: Any) -> list[Box | None]:
-    """Where each sharded tensor of an encoded tree sits, in the order _decode meets them."""
-    out: list[Box | None] = []
-
-    def walk(value: Any) -> None:
-        if isinstance(value, dict):
-            if "__t__" in value:
-                if value.get("shard"):
-                    box = value.get("box")
-                    out.append(Box(tuple(box[0]), tuple(box[1])) if box else None)
-            elif "__d__" in value:
-                for k, v in value["__d__"]:
-                    walk(k)
-                    walk(v)
-            else:
-                for v in value.get("__l__", ()):
-                    walk(v)
-    walk(encoded)
-    return out
-
-
 def _skeleton(encoded: Any) -> str:
     """An encoded tree's structure (its keys, and where tensors and shards are), without
     plain values: the same for every saved rank of one state."""
@@ -805,6 +785,14 @@ def _map_shards(value: Any, fn: Any) -> Any:
         items = [_map_shards(v, fn) for v in value]
         return tuple(items) if isinstance(value, tuple) else items
     return value
+
+
+def _shards_in(value: Any) -> list[_Shard]:
+    """A decoded tree's sharded tensors, in _decode's order (the same for every saved rank
+    of one state: see _skeleton)."""
+    found: list[_Shard] = []
+    _map_shards(value, found.append)
+    return found
 
 
 class _Deferred:
