@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch_procs
 
 from ftlaunch_contract import shards, storage
 from ftlaunch_contract.storage import PosixStorage
@@ -292,12 +293,14 @@ def test_a_full_disk_fails_a_direct_write_clearly_and_leaves_nothing(tmp_path, d
         assert (mount / "small.bin").read_bytes() == b"fits"
 
 SAVER = textwrap.dedent("""
-    import sys, torch
+    import os, signal, sys, threading, torch
     from trainer_shim.checkpoint import AsyncCheckpointer
     ckpt = AsyncCheckpointer(sys.argv[1], keep_last=3, staging_dir=sys.argv[2] or None)
+    target, delay = int(sys.argv[3]), float(sys.argv[4])
     for step in range(1, 101):
         ckpt.save(step, state={"x": torch.full((1 << 16,), float(step)), "step": step})
-        print(step, flush=True)
+        if step == target:  # SIGKILL anywhere inside the saves that follow
+            threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
     ckpt.wait()
 """)
 
@@ -312,18 +315,12 @@ def test_kill9_at_random_instants_never_tears_the_latest_checkpoint(tmp_path, ow
         shm = str(tmp_path / "shm")
         os.mkdir(shm)
     rng = random.Random(4 + owned)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     last = 0
-    for _ in range(5):
-        proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path / "ck"), shm], env=env,
-                                stdout=subprocess.PIPE, text=True)
-        target = rng.randrange(5, 60)
-        for line in proc.stdout:  # kill after a random number of saves, mid-write
-            if int(line) >= target:
-                time.sleep(rng.random() * 0.01)  # land anywhere inside the next save
-                break
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
+    for _ in range(5):  # killed after a random number of saves, mid-write
+        target, delay = rng.randrange(5, 60), rng.random() * 0.01
+        saver = torch_procs.Script(SAVER, [str(tmp_path / "ck"), shm, str(target), str(delay)],
+                                   tmp_path / "saver.out")
+        assert saver.wait(60) == -signal.SIGKILL
         restored: dict = {}
         loader = AsyncCheckpointer(tmp_path / "ck", staging_dir=shm or None)
         step = loader.load_latest(state=restored)
@@ -582,19 +579,21 @@ AGREE = textwrap.dedent("""
 
 
 def _two_ranks(phase, root, script=AGREE):
+    return _processes(script, [[str(r), phase, str(root)] for r in (0, 1)], root)
+
+
+def _processes(script, argvs, root):
+    """Each argv's process, a rank of one gloo group (its port appended): their last lines."""
+    import json
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), phase, str(root), str(port)],
-                              env=env, stdout=subprocess.PIPE, text=True) for r in (0, 1)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    import json
-
-    return [json.loads(o.strip().splitlines()[-1]) if o.strip() else None for o in outs]
+    ran = torch_procs.run_all(script, [[*argv, str(port)] for argv in argvs],
+                              Path(root) / ".stdout", timeout=180)
+    assert [code for code, _ in ran] == [0] * len(argvs), ran
+    return [json.loads(out.strip().splitlines()[-1]) if out.strip() else None for _, out in ran]
 
 
 def test_ranks_agree_on_the_newest_step_every_rank_holds(tmp_path):
@@ -764,19 +763,8 @@ RESHARD = textwrap.dedent("""
 
 
 def _ranks(world, phase, root, script):
-    import json
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(world), phase,
-                               str(root), str(port)], env=env, stdout=subprocess.PIPE, text=True)
-             for r in range(world)]
-    outs = [p.communicate(timeout=180)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0] * world, outs
-    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    return _processes(script, [[str(r), str(world), phase, str(root)] for r in range(world)],
+                      root)
 
 
 def test_fsdp_state_resumes_on_fewer_and_on_more_ranks(tmp_path):
