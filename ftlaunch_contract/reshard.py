@@ -87,5 +87,80 @@ def plan(saved: Sequence[tuple[int, Box]], wanted: Box) -> list[Piece]:
 def even_chunks(length: int, parts: int) -> list[tuple[int, int]]:
     """(offset, size) of each part when ``length`` rows are split the way torch.chunk and
     DTensor's Shard(dim) split them: ceil-sized parts, the last ones shorter or empty."""
-    size = -(-length // parts) if parts else 0
-    return [(min(i * size, length), max(0, min(size, length - i * size))) for i in range(parts)]
+    return [_split(length, parts, i) for i in range(parts)]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a DTensor was split over a device mesh whose ranks are the world's in order (as
+    ``init_device_mesh`` makes them): every saved rank's box follows from it, so a restore
+    on another world size need not gather them (at 131,072 ranks and a few hundred sharded
+    tensors, every rank would hold tens of millions)."""
+
+    shape: tuple[int, ...]  # the global tensor's
+    mesh: tuple[int, ...]  # the mesh's shape: rank r sits at r's row-major coordinate
+    splits: tuple[int, ...]  # per mesh dimension, the tensor dimension it shards; -1: none
+
+    @property
+    def ranks(self) -> int:
+        count = 1
+        for n in self.mesh:
+            count *= n
+        return count
+
+    def coordinate(self, rank: int) -> tuple[int, ...]:
+        coord = []
+        for n in reversed(self.mesh):
+            rank, c = divmod(rank, n)
+            coord.append(c)
+        return tuple(reversed(coord))
+
+
+def _split(length: int, parts: int, index: int) -> tuple[int, int]:
+    """(offset, size) of part ``index`` (see even_chunks)."""
+    chunk = -(-length // parts)
+    start = min(index * chunk, length)
+    return start, min(chunk, length - start)
+
+
+def box_of(layout: Layout, rank: int) -> Box:
+    """Saved rank ``rank``'s box, as torch's DTensor computes it: the mesh dimensions shard
+    in order, each cutting what the earlier ones left; an empty part sits at the end."""
+    offset, shape = [0] * len(layout.shape), list(layout.shape)
+    for c, parts, dim in zip(layout.coordinate(rank), layout.mesh, layout.splits, strict=True):
+        if dim < 0:
+            continue
+        start, shape[dim] = _split(shape[dim], parts, c)
+        offset[dim] = offset[dim] + start if shape[dim] else layout.shape[dim]
+    return Box(tuple(offset), tuple(shape))
+
+
+def ranks_over(layout: Layout, wanted: Box, prefer: int = 0) -> list[int]:
+    """The saved ranks whose parts overlap ``wanted``, one for each distinct part: along a
+    mesh dimension that replicates, ``prefer``'s coordinate (a rank's own old part is
+    the one it may hold in memory). The work is in the parts found, not the mesh's size."""
+    if wanted.empty:
+        return []
+    mine = layout.coordinate(prefer % layout.ranks) if layout.ranks else ()
+    found: list[int] = []
+
+    def walk(level: int, rank: int, offset: list[int], shape: list[int]) -> None:
+        if level == len(layout.mesh):
+            found.append(rank)
+            return
+        parts, dim = layout.mesh[level], layout.splits[level]
+        if dim < 0:
+            walk(level + 1, rank * parts + mine[level], offset, shape)
+            return
+        size, chunk = shape[dim], -(-shape[dim] // parts)
+        if not chunk:
+            return
+        low = max(0, (wanted.offset[dim] - offset[dim]) // chunk)
+        high = min(parts - 1, (wanted.offset[dim] + wanted.shape[dim] - 1 - offset[dim]) // chunk)
+        for c in range(low, high + 1):
+            start, n = _split(size, parts, c)
+            if n:
+                walk(level + 1, rank * parts + c, offset[:dim] + [offset[dim] + start]
+                     + offset[dim + 1:], shape[:dim] + [n] + shape[dim + 1:])
+    walk(0, 0, [0] * len(layout.shape), list(layout.shape))
+    return found

@@ -746,6 +746,12 @@ RESHARD = textwrap.dedent("""
             metas.add(int(name.rsplit("rank_", 1)[1].split(".")[0]))
         return read(name)
     ckpt.storage.read = counted
+    from trainer_shim import collective
+    gathered, gather = [], collective.all_gather_ints
+    def gather_counted(ints):  # how many integers each rank gives each gather
+        gathered.append(len(ints))
+        return gather(ints)
+    collective.all_gather_ints = gather_counted
     if phase == "load":
         assert ckpt.load_latest(train=ft.DistributedState(model, opt)) == 7
     full = {}
@@ -756,7 +762,7 @@ RESHARD = textwrap.dedent("""
             value = value.full_tensor() if hasattr(value, "full_tensor") else value
             full[f"{part}.{name}"] = hashlib.sha256(value.detach().numpy().tobytes()).hexdigest()
     print(json.dumps({"full": full, "source": ckpt.restored_from, "read": ckpt.restored_bytes,
-                      "metas": sorted(metas)}))
+                      "metas": sorted(metas), "gathered": gathered}))
     ckpt.close()
     dist.destroy_process_group()
 """)
@@ -770,12 +776,15 @@ def _ranks(world, phase, root, script):
 def test_fsdp_state_resumes_on_fewer_and_on_more_ranks(tmp_path):
     """FSDP2 saved by 3 ranks (33 rows: uneven chunks) restores on 2 ranks (a node lost) and
     on 4 (a node more): every parameter and optimizer state, gathered, equals the saved
-    one bit for bit."""
+    one bit for bit. Where each saved part sits follows from the layout saved with it: the
+    ranks gather 3 integers each ([ok, the save's CRC, whether the metas fit the layout]),
+    not every saved part's box (at 131,072 ranks and a few hundred sharded tensors, tens
+    of millions of integers a rank)."""
     saved = _ranks(3, "save", tmp_path, RESHARD)
     assert len(saved[0]["full"]) == 16  # 4 parameters, each with exp_avg, exp_avg_sq, step
     stored = sum(f.stat().st_size for f in (tmp_path / "ckpt").rglob("*.bin"))
     # Whose metas each new rank reads: its old rank's (or rank 0's), its share of the saved
-    # ranks' (every new-world-th from its rank: they gather where each part sits), and
+    # ranks' (every new-world-th from its rank: they check them against the layout), and
     # those of the parts its new shards overlap (33 rows in 3 parts of 11; on 2 ranks
     # 17 + 16, on 4: 9 + 9 + 9 + 6; 5 rows: 2 + 2 + 1 -> 3 + 2, 2 + 2 + 1 + 0). Not every
     # saved rank's: that was W^2 reads in all, 16.7 M at 4,096 ranks.
@@ -789,6 +798,30 @@ def test_fsdp_state_resumes_on_fewer_and_on_more_ranks(tmp_path):
             # never all three; test_shards checks ranges within big shards)
             assert ld["read"]["storage"] < stored, ld["read"]
         assert [ld["metas"] for ld in loaded] == metas[world]
+        assert [ld["gathered"] for ld in loaded] == [[3]] * world
+
+    _drop_layouts(tmp_path / "ckpt")  # as saved before layouts were: every box gathered
+    loaded = _ranks(2, "load", tmp_path, RESHARD)
+    assert [ld["full"] for ld in loaded] == [saved[0]["full"]] * 2
+    assert [ld["metas"] for ld in loaded] == metas[2]
+    # A saved rank's row: its rank, the count, then per box its dimensions, offsets and
+    # shape (2 weights, 2 biases, each with exp_avg and exp_avg_sq). New rank 0 read saved
+    # ranks 0 and 2 in its share, rank 1 saved rank 1.
+    row = 2 + 3 * (2 * (1 + 2 + 2) + 2 * (1 + 1 + 1))
+    assert [ld["gathered"] for ld in loaded] == [[3, 2 * row], [3, row]]
+
+
+def _drop_layouts(root):
+    import msgpack
+
+    def bare(tree):
+        if isinstance(tree, dict):
+            return {k: bare(v) for k, v in tree.items() if k != "layout"}
+        return [bare(v) for v in tree] if isinstance(tree, list) else tree
+    for meta in root.rglob("*.meta"):
+        fields = msgpack.unpackb(meta.read_bytes(), raw=False, strict_map_key=False)
+        assert "layout" in repr(fields["tree"])
+        meta.write_bytes(msgpack.packb({**fields, "tree": bare(fields["tree"])}))
 
 
 def test_plain_state_resumes_on_another_world_size_from_its_old_rank_or_rank_0(tmp_path):

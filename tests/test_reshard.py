@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftlaunch_contract.reshard import Box, even_chunks, intersect, plan
+from ftlaunch_contract.reshard import Box, Layout, box_of, even_chunks, intersect, plan, ranks_over
 
 
 def grid(shape: tuple[int, ...], parts: tuple[int, ...]) -> list[Box]:
@@ -83,3 +83,68 @@ def test_even_chunks_match_dtensor_shard_layout():
 def test_intersect():
     assert intersect(Box((0, 0), (2, 2)), Box((1, 1), (2, 2))) == Box((1, 1), (1, 1))
     assert intersect(Box((0,), (2,)), Box((2,), (2,))) is None
+
+
+@st.composite
+def meshes(draw):
+    """A DTensor's layout: a tensor of up to 3 dimensions over a mesh of up to 3, each mesh
+    dimension replicating or sharding any tensor dimension (several may shard one)."""
+    shape = tuple(draw(st.lists(st.integers(0, 11), min_size=1, max_size=3)))
+    mesh = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+    splits = tuple(draw(st.lists(st.integers(-1, len(shape) - 1), min_size=len(mesh),
+                                 max_size=len(mesh))))
+    return Layout(shape, mesh, splits)
+
+
+@settings(max_examples=300, deadline=None)
+@given(meshes())
+def test_a_layouts_boxes_are_torchs(layout):
+    """Each saved rank's box, computed from the layout, is the one torch's DTensor gives
+    that rank (what a save records beside each part, and a restore checks)."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    placements = [Replicate() if d < 0 else Shard(d) for d in layout.splits]
+    for rank in range(layout.ranks):
+        shape, offset = _compute_local_shape_and_global_offset(
+            layout.shape, layout.mesh, list(layout.coordinate(rank)), placements)
+        assert box_of(layout, rank) == Box(tuple(offset), tuple(shape)), rank
+    assert torch  # (imported for its DTensor)
+
+
+@settings(max_examples=300, deadline=None)
+@given(meshes(), st.data())
+def test_the_parts_over_a_wanted_box_are_every_distinct_part_that_overlaps_it(layout, data):
+    """ranks_over names, without walking the mesh, the saved parts a new chunk overlaps:
+    one rank per distinct part (along a replicating mesh dimension, the preferred rank's
+    coordinate), and together they fill it exactly."""
+    shape, offset = [], []
+    for n in layout.shape:
+        start = data.draw(st.integers(0, n))
+        offset.append(start)
+        shape.append(data.draw(st.integers(0, n - start)))
+    wanted = Box(tuple(offset), tuple(shape))
+    prefer = data.draw(st.integers(0, layout.ranks - 1))
+    found = ranks_over(layout, wanted, prefer)
+    overlapping = {box_of(layout, r) for r in range(layout.ranks)
+                   if not box_of(layout, r).empty and intersect(box_of(layout, r), wanted)}
+    assert {box_of(layout, r) for r in found} == overlapping
+    assert len(found) == len(overlapping)
+    mine = layout.coordinate(prefer)
+    for r in found:
+        assert all(c == m for c, m, d in zip(layout.coordinate(r), mine, layout.splits,
+                                             strict=True) if d < 0)
+    if not wanted.empty:
+        assert sum(p.dst.numel for p in plan([(r, box_of(layout, r)) for r in found],
+                                             wanted)) == wanted.numel
+
+
+def test_a_new_rank_of_a_large_world_reads_the_two_parts_it_straddles():
+    """131,072 saved ranks of 8 rows, 131,064 after a node is lost (9 rows each, the last
+    ones empty): new rank 70,000's rows 630,000-630,008 straddle saved parts 78,750 and
+    78,751, found at once (not by looking at 131,072 boxes)."""
+    saved = Layout((1 << 20, 64), (131072,), (0,))
+    wanted = box_of(Layout((1 << 20, 64), (131064,), (0,)), 70000)
+    assert wanted == Box((630000, 0), (9, 64))
+    assert ranks_over(saved, wanted) == [78750, 78751]

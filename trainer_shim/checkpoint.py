@@ -26,7 +26,8 @@ import threading
 import time
 import weakref
 import zlib
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -517,11 +518,12 @@ class AsyncCheckpointer:
         """A step saved by another world size: a saved rank's tree (rank ``own``: plain state
         is any rank's), its tensors read lazily (``_Lazy``: only the byte ranges this rank's
         new shards overlap, from memory where this node holds the shard, else storage),
-        each sharded tensor given every saved rank's part to cut from (``_Deferred``: that
-        rank's meta is read once a part of it is needed). Where each saved part sits comes
-        from every saved rank's meta, which the ranks read a share each and gather: a rank
-        reading every meta was W^2 reads in all (16.7 M at 4,096 ranks, each meta the size
-        of its block hashes)."""
+        each sharded tensor given the saved parts a wanted box overlaps (``_Deferred``: a
+        saved rank's meta is read once a part of it is needed). Where each saved part sits
+        follows from the tensor's saved layout; the ranks check that against the saved
+        metas, a share each (every new-world-th from its rank: a rank reading every meta
+        was W^2 reads in all, 16.7 M at 4,096 ranks). Tensors saved without a layout have
+        every saved part's box gathered instead (W x their number, to every rank)."""
         own = self.rank if self.rank < saved_world else 0
         read: dict[int, _Source] = {}
 
@@ -530,30 +532,32 @@ class AsyncCheckpointer:
                 read[r] = self._source(step, saved_world, r, memory, sources)
             return read[r]
         share = range(self.rank, saved_world, self.world_size) if group else range(saved_world)
-        mine, error = [], None
+        boxes_read, error = [], None
         try:  # no collective may be skipped below: a rank that failed says so in its row
             base = source(own).meta
             save = (base.get("world_size"), base.get("history"), _skeleton(base["tree"]))
+            layouts = [shard.layout for shard in _shards_in(_bare(base))]
+            fits = all(layout is not None and layout.ranks == saved_world for layout in layouts)
             for r in share:
                 meta = source(r).meta
                 if (meta.get("world_size"), meta.get("history"), _skeleton(meta["tree"])) != save:
                     raise CheckpointError(f"step {step}: its shards come from different saves "
                                           "or states (cannot reshard them)")
-                boxes_saved = [shard.box for shard in _shards_in(
-                    _decode(meta["tree"], [None] * len(meta["tensors"])))]  # (nothing read)
-                mine += [r, *_encoded_boxes(boxes_saved)]
-            mine = [1, zlib.crc32(repr(save).encode()), *mine]
+                boxes_saved = [shard.box for shard in _shards_in(_bare(meta))]
+                fits = fits and all(box == reshard.box_of(layout, r) for box, layout
+                                    in zip(boxes_saved, layouts, strict=True) if layout)
+                boxes_read += [r, *_encoded_boxes(boxes_saved)]
+            mine = [1, zlib.crc32(repr((save, layouts)).encode()), int(fits)]
         except CheckpointError as e:
-            error, mine = e, [0, 0]
-        gathered = collective.all_gather_ints(mine) if group else [mine]
+            error, mine = e, [0, 0, 0]
+        agreed = collective.all_gather_ints(mine) if group else [mine]
         if error is not None:
             raise error
-        if not all(row[0] for row in gathered):
+        if not all(row[0] for row in agreed):
             raise CheckpointError(f"step {step}: another rank could not read its share of the "
                                   "saved shards' metas")
-        if len({row[1] for row in gathered}) > 1:  # e.g. a shard of a world that went back
+        if len({row[1] for row in agreed}) > 1:  # e.g. a shard of a world that went back
             raise CheckpointError(f"step {step}: its shards come from different saves")
-        boxes = _decoded_boxes([row[2:] for row in gathered], saved_world)
         log.info("rank %d restores step %d saved by %d ranks (resharding)", self.rank, step,
                  saved_world)
         decoded: dict[int, list[_Shard]] = {}
@@ -564,13 +568,26 @@ class AsyncCheckpointer:
                 decoded[r] = _shards_in(_decode(src.meta["tree"],
                                                 [_Lazy(src, e) for e in src.meta["tensors"]]))
             return decoded[r]
-        leaves = iter(range(len(boxes[own])))
 
-        def parts(shard: _Shard) -> _Shard:
-            k = next(leaves)
-            return _Shard(shard.local, shard.box, [
-                (boxes[r][k], shard.local if r == own else _Deferred(shards_of, r, k, boxes[r][k]))
-                for r in range(saved_world)])
+        def part(r: int, k: int, box: Box, shard: _Shard) -> tuple[Box, Any]:
+            return box, shard.local if r == own else _Deferred(shards_of, r, k, box)
+        leaves = iter(range(len(layouts)))
+        if all(row[2] for row in agreed):  # every saved part where its layout says
+
+            def parts(shard: _Shard) -> _Shard:
+                k, layout = next(leaves), shard.layout
+                assert layout is not None
+                return replace(shard, parts=lambda wanted: [
+                    part(r, k, reshard.box_of(layout, r), shard)
+                    for r in reshard.ranks_over(layout, wanted, prefer=own)])
+        else:
+            rows = collective.all_gather_ints(boxes_read) if group else [boxes_read]
+            boxes = _decoded_boxes(rows, saved_world)
+
+            def parts(shard: _Shard) -> _Shard:
+                k = next(leaves)
+                every = [part(r, k, boxes[r][k], shard) for r in range(saved_world)]
+                return replace(shard, parts=lambda wanted: every)
         tree = _decode(base["tree"], [_Lazy(source(own), e) for e in base["tensors"]])
         loaded: dict[str, Any] = _map_shards(tree, parts)
         return loaded
@@ -682,7 +699,7 @@ def _prefetch(value: Any, current: Any) -> Any:
     byte ranges of the saved parts it overlaps, anything else whole."""
     if isinstance(value, _Shard):
         dtensor = _dtensor_type()
-        if value.chunks is not None and dtensor is not None and isinstance(current, dtensor):
+        if value.parts is not None and dtensor is not None and isinstance(current, dtensor):
             return _Shard(value.local, value.box, assembled=_assemble(value, current))
         return _Shard(_prefetch(value.local, None), value.box)
     if isinstance(value, _Lazy):
@@ -785,6 +802,11 @@ def _map_shards(value: Any, fn: Any) -> Any:
         items = [_map_shards(v, fn) for v in value]
         return tuple(items) if isinstance(value, tuple) else items
     return value
+
+
+def _bare(meta: dict[str, Any]) -> Any:
+    """A saved rank's tree with no tensor read (its shards' boxes and layouts only)."""
+    return _decode(meta["tree"], [None] * len(meta["tensors"]))
 
 
 def _shards_in(value: Any) -> list[_Shard]:
@@ -1072,12 +1094,14 @@ class DistributedState:
 @dataclass
 class _Shard:
     """A rank's part of a DTensor, until it is matched with the target's layout; loaded on
-    another world size or layout, with every saved rank's part (``chunks``) to cut from."""
+    another world size or layout, with the saved parts a wanted box overlaps (``parts``:
+    box -> [(saved box, its part)], to cut the target's new local part from)."""
 
     local: Any  # a tensor, or a _Lazy one not read yet
     box: Box | None = None  # where ``local`` sits in the global tensor (saved since #13)
-    chunks: list[tuple[Box, Any]] | None = None
-    assembled: torch.Tensor | None = None  # the target's new local part, cut from chunks
+    layout: reshard.Layout | None = None  # how it was split (saved since 2026-12-07)
+    parts: Callable[[Box], list[tuple[Box, Any]]] | None = None
+    assembled: torch.Tensor | None = None  # the target's new local part, cut from parts
 
 
 def _chunk_box(dtensor: Any) -> Box:
@@ -1089,15 +1113,45 @@ def _chunk_box(dtensor: Any) -> Box:
     return Box(tuple(offset), tuple(shape))
 
 
+_MESHES_IN_WORLD_ORDER: dict[int, tuple[Any, bool]] = {}
+
+
+def _layout(dtensor: Any) -> reshard.Layout | None:
+    """How ``dtensor`` is split, where that says where every rank's part sits: its mesh holds
+    the ranks in order (as init_device_mesh makes it) and each mesh dimension shards
+    (Shard) or replicates. Else None (a sub-mesh of another, a strided shard): a restore on
+    another world size then gathers every saved part's box."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    splits = []
+    for placement in dtensor.placements:
+        if type(placement) is Shard and placement.dim >= 0:
+            splits.append(placement.dim)
+        elif type(placement) is Replicate:
+            splits.append(-1)
+        else:
+            return None
+    mesh = dtensor.device_mesh
+    known = _MESHES_IN_WORLD_ORDER.get(id(mesh))
+    if known is None or known[0] is not mesh:  # (checked once a mesh: there are few)
+        ranks = mesh.mesh.flatten()
+        known = _MESHES_IN_WORLD_ORDER[id(mesh)] = (mesh, bool(torch.equal(
+            ranks, torch.arange(ranks.numel(), dtype=ranks.dtype))))
+    if not known[1]:
+        return None
+    return reshard.Layout(tuple(dtensor.shape), tuple(mesh.shape), tuple(splits))
+
+
 def _region(tensor: torch.Tensor, box: Box) -> torch.Tensor:
     return tensor[tuple(slice(o, o + n) for o, n in zip(box.offset, box.shape, strict=True))]
 
 
 def _assemble(shard: _Shard, current: Any) -> torch.Tensor:
     """The target's local part, cut from whichever saved parts overlap it."""
-    assert shard.chunks is not None
-    distinct = list({box: (box, t) for box, t in reversed(shard.chunks)}.values())
-    wanted = _chunk_box(current)  # ^ a replicated mesh dimension saved each chunk twice
+    assert shard.parts is not None
+    wanted = _chunk_box(current)
+    distinct = list({box: (box, t) for box, t in reversed(shard.parts(wanted))}.values())
+    # ^ a replicated mesh dimension saved each part twice
     dtype = getattr(torch, shard.local.entry["dtype"]) if isinstance(shard.local, _Lazy) \
         else shard.local.dtype
     local = torch.empty(wanted.shape, dtype=dtype)
@@ -1147,8 +1201,11 @@ def _encode(value: Any, tensors: list[torch.Tensor], dtensor: Any) -> Any:
         if dtensor is not None and isinstance(value, dtensor):
             tensors.append(value.to_local())
             box = _chunk_box(value)
-            return {"__t__": len(tensors) - 1, "shard": True,
-                    "box": [list(box.offset), list(box.shape)]}
+            encoded = {"__t__": len(tensors) - 1, "shard": True,
+                       "box": [list(box.offset), list(box.shape)]}
+            if (layout := _layout(value)) is not None:
+                encoded["layout"] = [list(layout.shape), list(layout.mesh), list(layout.splits)]
+            return encoded
         tensors.append(value)
         return {"__t__": len(tensors) - 1}
     if isinstance(value, (list, tuple)):
@@ -1167,8 +1224,9 @@ def _decode(value: Any, tensors: list[Any]) -> Any:
             t = tensors[value["__t__"]]
             if not value.get("shard"):
                 return t
-            box = value.get("box")
-            return _Shard(t, Box(tuple(box[0]), tuple(box[1])) if box else None)
+            box, layout = value.get("box"), value.get("layout")
+            return _Shard(t, Box(tuple(box[0]), tuple(box[1])) if box else None,
+                          reshard.Layout(*map(tuple, layout)) if layout else None)
         if "__d__" in value:
             return {_decode(k, tensors): _decode(v, tensors) for k, v in value["__d__"]}
         items = [_decode(v, tensors) for v in value["__l__"]]
@@ -1185,7 +1243,7 @@ def _rebuild(value: Any, current: Any, owned: bool) -> Any:
     if isinstance(value, _Shard):
         dtensor = _dtensor_type()
         if dtensor is not None and isinstance(current, dtensor) and (
-                value.assembled is not None or value.chunks is not None):
+                value.assembled is not None or value.parts is not None):
             local = value.assembled if value.assembled is not None else _assemble(value, current)
             return dtensor.from_local(local.to(current.device),
                                       current.device_mesh, current.placements,
