@@ -22,7 +22,7 @@ MYPY=$!                          # beside the tests, which leave a core idle par
 # starving either (pytest here: 11.5 min on one, 8-9.5 on two). `-n 0`: one by one.
 # --durations: the slowest tests; the suite must stay under 10 min.
 status=0
-"$PY" -m pytest -q -n 2 --dist loadgroup --durations=12 "$@" || status=$?
+"$PY" -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=12 "$@" || status=$?
 wait "$MYPY" || { cat "$ROOT/.mypy.out"; exit 1; }
 tail -1 "$ROOT/.mypy.out"
 exit "$status"

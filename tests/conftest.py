@@ -201,11 +201,24 @@ def kill_unfinished(runs: list[Launch]) -> None:
             run.proc.wait(10)
 
 
+LONGEST_GROUPS = ["host-bridge", "test_recovery", "test_multinode", "test_chaos", "test_slurm",
+                  "test_gpu_health", "test_launch", "test_bench_all", "test_doctor", "test_exit",
+                  "test_checkpoint"]
+"""Groups that take longest, longest first (seconds on 2 vCPUs, 2026-12-07: 181, 178, 109,
+89, 59, 40, 35, 34, 26, 23, 20; the rest 15 or less). A worker takes the next group when
+it is done with one: handed out in file order (or by their number of tests, xdist's
+default), the long ones with few tests came last and one worker ran them alone."""
+
+
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (scripts/test.sh runs two workers): a file's tests run on one worker
-    (module fixtures, e.g. a SLURM cluster or a reference run, are made once), and the
-    files that build "machines" on the one host bridge (netns, pods) never run at once."""
+    (module fixtures, e.g. a SLURM cluster or a reference run, are made once), the files
+    that build "machines" on the one host bridge (netns, pods) never run at once, and the
+    longest groups start first (LONGEST_GROUPS; test.sh keeps this order)."""
+    groups = {}
     for item in items:
         module = item.path.stem
-        group = "host-bridge" if module in ("test_netns", "test_pods") else module
+        groups[item] = group = "host-bridge" if module in ("test_netns", "test_pods") else module
         item.add_marker(pytest.mark.xdist_group(group))
+    order = {group: i for i, group in enumerate(LONGEST_GROUPS)}
+    items.sort(key=lambda item: order.get(groups[item], len(order)))
