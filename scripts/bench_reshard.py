@@ -8,7 +8,7 @@ trainer_shim.checkpoint's own functions, no process group:
 
     gathered    the integers every rank receives (W rows of every saved part's box), their
                 decoding into boxes (_decoded_boxes) and each tensor's list of W parts
-                (what _read_resharded built before 2026-12-07)
+                (what _read_resharded built before 2026-12-06)
     layout      each tensor's saved parts over this rank's new box (reshard.ranks_over)
                 and their boxes (reshard.box_of)
 

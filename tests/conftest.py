@@ -204,7 +204,7 @@ def kill_unfinished(runs: list[Launch]) -> None:
 LONGEST_GROUPS = ["host-bridge", "test_recovery", "test_multinode", "test_chaos", "test_slurm",
                   "test_gpu_health", "test_launch", "test_bench_all", "test_doctor", "test_exit",
                   "test_checkpoint"]
-"""Groups that take longest, longest first (seconds on 2 vCPUs, 2026-12-07: 181, 178, 109,
+"""Groups that take longest, longest first (seconds on 2 vCPUs, 2026-12-06: 181, 178, 109,
 89, 59, 40, 35, 34, 26, 23, 20; the rest 15 or less). A worker takes the next group when
 it is done with one: handed out in file order (or by their number of tests, xdist's
 default), the long ones with few tests came last and one worker ran them alone."""

@@ -1099,7 +1099,7 @@ class _Shard:
 
     local: Any  # a tensor, or a _Lazy one not read yet
     box: Box | None = None  # where ``local`` sits in the global tensor (saved since #13)
-    layout: reshard.Layout | None = None  # how it was split (saved since 2026-12-07)
+    layout: reshard.Layout | None = None  # how it was split (saved since 2026-12-06)
     parts: Callable[[Box], list[tuple[Box, Any]]] | None = None
     assembled: torch.Tensor | None = None  # the target's new local part, cut from parts
 
