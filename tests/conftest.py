@@ -201,6 +201,14 @@ def kill_unfinished(runs: list[Launch]) -> None:
             run.proc.wait(10)
 
 
+def group_of(path: str) -> str:
+    """The tests that run on one pytest-xdist worker, one after another: a file's (module
+    fixtures, e.g. a SLURM cluster or a reference run, are made once), and the files that
+    build "machines" on the one host bridge (netns, pods), which must never run at once."""
+    module = Path(path.split("::")[0]).stem
+    return "host-bridge" if module in ("test_netns", "test_pods") else module
+
+
 LONGEST_GROUPS = ["host-bridge", "test_recovery", "test_multinode", "test_chaos", "test_slurm",
                   "test_gpu_health", "test_launch", "test_bench_all", "test_doctor", "test_exit",
                   "test_checkpoint"]
@@ -211,14 +219,20 @@ default), the long ones with few tests came last and one worker ran them alone."
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (scripts/test.sh runs two workers): a file's tests run on one worker
-    (module fixtures, e.g. a SLURM cluster or a reference run, are made once), the files
-    that build "machines" on the one host bridge (netns, pods) never run at once, and the
-    longest groups start first (LONGEST_GROUPS; test.sh keeps this order)."""
-    groups = {}
-    for item in items:
-        module = item.path.stem
-        groups[item] = group = "host-bridge" if module in ("test_netns", "test_pods") else module
-        item.add_marker(pytest.mark.xdist_group(group))
+    """The longest groups first (scripts/test.sh keeps this order: --no-loadscope-reorder)."""
     order = {group: i for i, group in enumerate(LONGEST_GROUPS)}
-    items.sort(key=lambda item: order.get(groups[item], len(order)))
+    items.sort(key=lambda item: order.get(group_of(item.nodeid), len(order)))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` by group_of. xdist's own marks a test's group by renaming its
+    node id, which pytest 9 ignores (its ids are structured): every test was handed out on
+    its own, a netns and a pods test ran at once, and each worker made the module fixtures."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+    return ByGroup(config, log)
