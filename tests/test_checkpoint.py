@@ -726,10 +726,15 @@ RESHARD = textwrap.dedent("""
                                       sys.argv[4], sys.argv[5])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
+    mesh = None
+    if phase.endswith("-hsdp"):  # HSDP: 2 replicas of world / 2 shards
+        from torch.distributed.device_mesh import init_device_mesh
+        phase, mesh = phase.removesuffix("-hsdp"), init_device_mesh(
+            "cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0 if phase == "save" else 1)  # the loader starts from other weights
     model = torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.GELU(), torch.nn.Linear(33, 5))
     for layer in (model[0], model[2], model):
-        fully_shard(layer)
+        fully_shard(layer, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     staging = os.path.join(root, f"shm{world}_{rank}")  # each its own node: no staged copy
     os.makedirs(staging, exist_ok=True)
@@ -809,6 +814,30 @@ def test_fsdp_state_resumes_on_fewer_and_on_more_ranks(tmp_path):
     # ranks 0 and 2 in its share, rank 1 saved rank 1.
     row = 2 + 3 * (2 * (1 + 2 + 2) + 2 * (1 + 1 + 1))
     assert [ld["gathered"] for ld in loaded] == [[3, 2 * row], [3, row]]
+
+
+def test_hsdp_state_resumes_on_a_world_of_another_shape(tmp_path):
+    """HSDP saved by 4 ranks (2 replicas of 2 shards: each part saved twice) restores on 3
+    ranks of plain FSDP, bit for bit: the layout saved says which mesh dimension replicates,
+    and each new rank reads each part it overlaps once, from the replica of its old rank."""
+    import msgpack
+
+    from ftlaunch_contract import shards
+
+    saved = _ranks(4, "save-hsdp", tmp_path, RESHARD)
+    meta = msgpack.unpackb((tmp_path / "ckpt" / shards.meta_name(7, 3)).read_bytes(),
+                           raw=False, strict_map_key=False)
+    assert "[[33, 8], [2, 2], [-1, 0]]" in repr(meta["tree"]), "saved rank 3: its weight's layout"
+    loaded = _ranks(3, "load", tmp_path, RESHARD)
+    for ld in loaded:
+        assert ld["source"] == "storage, resharded from 4 ranks"
+        assert ld["full"] == saved[0]["full"]
+        assert ld["gathered"] == [3]
+    # 33 rows saved as 17 + 16 by ranks 0 and 1 (replica 0) and again by 2 and 3. A new
+    # rank's 11 rows: rank 0's within its own part (and saved rank 3's meta read in its
+    # share), rank 1's straddle saved parts 0 and 1, rank 2's lie in part 1 of its old
+    # rank's replica: saved rank 3's
+    assert [ld["metas"] for ld in loaded] == [[0, 3], [0, 1], [2, 3]]
 
 
 def _drop_layouts(root):
