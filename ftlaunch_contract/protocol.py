@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, get_type_hints
 
 import msgpack
@@ -33,9 +34,13 @@ _FLOAT = (int, float)
 _OPT_INT = (int, type(None))
 
 
+_SEQUENCES = (list, tuple)
+
+
 def _rows(record: type[tuple[Any, ...]]) -> Any:
     """A list of ``record``s, each a list of its fields' types (an int is never a bool)."""
-    types = tuple(get_type_hints(record).values())
+    types = list(get_type_hints(record).values())
+    width = len(types)
 
     # An assign's members and spares (both of Successors) go out N times a round, unchanged:
     # the last few checked, held so that `is` cannot meet a new object at a freed address.
@@ -46,8 +51,8 @@ def _rows(record: type[tuple[Any, ...]]) -> Any:
             if value is seen:  # a tuple of tuples of ints and strs: immutable, checked
                 return True
         ok = isinstance(value, (list, tuple)) and len(value) <= 100_000 and all(
-            isinstance(row, (list, tuple)) and tuple(map(type, row)) == types  # exact types
-            for row in value)
+            isinstance(row, _SEQUENCES) and len(row) == width for row in value) and [
+            type(field) for row in value for field in row] == types * len(value)  # exact
         if ok and value and type(value) is tuple and all(type(row) is not list for row in value):
             recent.append(value)
         return ok
@@ -126,7 +131,8 @@ _ROW_FIELDS = {**_row_fields(messages.CONTROL), **_row_fields(messages.LOCAL)}
 def _build(cls: type[Body], fields: dict[str, Any]) -> Body:
     for name, record in _ROW_FIELDS[cls]:
         fields[name] = tuple(fields[name]) if record is None else \
-            tuple(map(record._make, fields[name]))  # rows checked: no arguments to parse
+            tuple(map(partial(tuple.__new__, record), fields[name]))  # rows checked: _make's
+        # work but its length check, without a Python call a row
     return cls(**fields)
 
 

@@ -463,6 +463,8 @@ def test_malformed_member_list_refused(members):
 @pytest.mark.parametrize("held", [
     [[6, 0, 40]],  # protocol 1's row: a shard, not a run
     [[6, 40, 0, True]], [[6, 40, 0, 2.0]], [[6, 40, 0, 2, 1]], [(6, 40, "0", 2)], [[]], [7],
+    [[6, 40, 0, 2, 6], [40, 0, 2]],  # a field too many, one too few: the same count in all
+    [[6, 40, 0, 2], {"w": 6, "s": 40, "f": 0, "r": 2}], [[6, 40, 0, 2], "6402"],
 ])
 def test_malformed_held_runs_refused(held):
     fields = {**valid_fields("join"), "held": held}
