@@ -726,11 +726,16 @@ RESHARD = textwrap.dedent("""
                                       sys.argv[4], sys.argv[5])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    mesh = None
+    mesh, data_rank = None, rank
     if phase.endswith("-hsdp"):  # HSDP: 2 replicas of world / 2 shards
         from torch.distributed.device_mesh import init_device_mesh
         phase, mesh = phase.removesuffix("-hsdp"), init_device_mesh(
             "cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    elif phase.endswith("-dp"):  # FSDP over the "dp" dimension of a (dp, tp) mesh: ranks 0, 2
+        from torch.distributed.device_mesh import init_device_mesh  # and 1, 3 (no TP here)
+        phase, mesh = phase.removesuffix("-dp"), init_device_mesh(
+            "cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))["dp"]
+        data_rank = rank // 2  # a "tp" group's ranks see the same data
     torch.manual_seed(0 if phase == "save" else 1)  # the loader starts from other weights
     model = torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.GELU(), torch.nn.Linear(33, 5))
     for layer in (model[0], model[2], model):
@@ -741,7 +746,7 @@ RESHARD = textwrap.dedent("""
     ckpt = ft.AsyncCheckpointer(os.path.join(root, "ckpt"), rank=rank, world_size=world,
                                 staging_dir=staging)
     if phase == "save":
-        loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).sum()
+        loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(data_rank))).sum()
         loss.backward(); opt.step(); opt.zero_grad()
         ckpt.save(7, train=ft.DistributedState(model, opt))
         ckpt.wait()
@@ -838,6 +843,22 @@ def test_hsdp_state_resumes_on_a_world_of_another_shape(tmp_path):
     # share), rank 1's straddle saved parts 0 and 1, rank 2's lie in part 1 of its old
     # rank's replica: saved rank 3's
     assert [ld["metas"] for ld in loaded] == [[0, 3], [0, 1], [2, 3]]
+
+
+def test_state_sharded_over_a_sub_mesh_resumes_from_every_parts_position_gathered(tmp_path):
+    """FSDP over the "dp" dimension of a (dp, tp) mesh (as under tensor parallelism): each
+    tensor's mesh holds ranks 0, 2 or 1, 3, not the world in order, so no layout is saved
+    and a restore on 3 ranks gathers every saved part's position (each part saved twice,
+    once by each "dp" group), bit for bit."""
+    from ftlaunch_contract import shards
+
+    saved = _ranks(4, "save-dp", tmp_path, RESHARD)
+    assert [s["full"] for s in saved[1:]] == [saved[0]["full"]] * 3, "one state, held twice"
+    assert b"layout" not in (tmp_path / "ckpt" / shards.meta_name(7, 0)).read_bytes()
+    loaded = _ranks(3, "load", tmp_path, RESHARD)
+    for ld in loaded:
+        assert ld["full"] == saved[0]["full"]
+        assert len(ld["gathered"]) == 2, "[ok, CRC, fits], then the boxes"
 
 
 def _drop_layouts(root):
