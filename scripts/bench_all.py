@@ -58,6 +58,10 @@ BENCHES = (
            "--modes", "peer memory,local disk"),
           ("scripts/bench_node_loss.py", "--gib", "0.25", "--reps", "1",
            "--modes", "peer memory,local disk")),
+    Bench("reshard", "a resized world's restore: where the saved parts sit, gathered vs "
+          "from the saved layout, one rank's work",
+          ("scripts/bench_reshard.py", "--ranks", "4096,16384,131072"),
+          ("scripts/bench_reshard.py", "--ranks", "1024,4096", "--gather-up-to", "4096")),
     Bench("coordinator loss", "the coordinator's node killed (process dies) vs stopped (silent)",
           ("scripts/bench_coordinator_loss.py", "--reps", "3", "--node-timeout", "5"),
           ("scripts/bench_coordinator_loss.py", "--reps", "1", "--node-timeout", "2")),
