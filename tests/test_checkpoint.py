@@ -726,18 +726,25 @@ RESHARD = textwrap.dedent("""
                                       sys.argv[4], sys.argv[5])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    mesh, data_rank = None, rank
-    if phase.endswith("-hsdp"):  # HSDP: 2 replicas of world / 2 shards
-        from torch.distributed.device_mesh import init_device_mesh
-        phase, mesh = phase.removesuffix("-hsdp"), init_device_mesh(
-            "cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    elif phase.endswith("-dp"):  # FSDP over the "dp" dimension of a (dp, tp) mesh: ranks 0, 2
-        from torch.distributed.device_mesh import init_device_mesh  # and 1, 3 (no TP here)
-        phase, mesh = phase.removesuffix("-dp"), init_device_mesh(
-            "cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))["dp"]
-        data_rank = rank // 2  # a "tp" group's ranks see the same data
+    phase, *how = phase.split("-")  # e.g. save-hsdp: how the model is laid out
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh, tp_mesh, data_rank, hidden = None, None, rank, 32 if "even" in how else 33
+    if "hsdp" in how:  # HSDP: 2 replicas of world / 2 shards
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    elif "dp" in how:  # FSDP over the "dp" dimension of a (dp, tp) mesh: ranks 0, 2 and 1, 3
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))["dp"]
+        data_rank = rank // 2  # (no TP here) a "tp" group's ranks see the same data
+    elif "tp" in how:  # FSDP2 over "dp" of tensor parallelism over "tp": both shard dimension
+        from torch.distributed.tensor.parallel import (  # 0 of the first layer's weight
+            ColwiseParallel, RowwiseParallel, parallelize_module)  # (a strided shard)
+        tp_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        mesh, data_rank = tp_mesh["dp"], rank // 2
     torch.manual_seed(0 if phase == "save" else 1)  # the loader starts from other weights
-    model = torch.nn.Sequential(torch.nn.Linear(8, 33), torch.nn.GELU(), torch.nn.Linear(33, 5))
+    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.GELU(),
+                                torch.nn.Linear(hidden, 5))
+    if tp_mesh is not None:
+        model = parallelize_module(model, tp_mesh["tp"], {"0": ColwiseParallel(),
+                                                          "2": RowwiseParallel()})
     for layer in (model[0], model[2], model):
         fully_shard(layer, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -763,7 +770,7 @@ RESHARD = textwrap.dedent("""
         return gather(ints)
     collective.all_gather_ints = gather_counted
     if phase == "load":
-        assert ckpt.load_latest(train=ft.DistributedState(model, opt)) == 7
+        step = ckpt.load_latest(train=ft.DistributedState(model, opt))
     full = {}
     for part, states in zip(("model", "optim"), dcp.get_state_dict(model, opt)):
         flat = states if part == "model" else {
@@ -772,7 +779,8 @@ RESHARD = textwrap.dedent("""
             value = value.full_tensor() if hasattr(value, "full_tensor") else value
             full[f"{part}.{name}"] = hashlib.sha256(value.detach().numpy().tobytes()).hexdigest()
     print(json.dumps({"full": full, "source": ckpt.restored_from, "read": ckpt.restored_bytes,
-                      "metas": sorted(metas), "gathered": gathered}))
+                      "metas": sorted(metas), "gathered": gathered,
+                      "step": step if phase == "load" else 7}))
     ckpt.close()
     dist.destroy_process_group()
 """)
@@ -859,6 +867,19 @@ def test_state_sharded_over_a_sub_mesh_resumes_from_every_parts_position_gathere
     for ld in loaded:
         assert ld["full"] == saved[0]["full"]
         assert len(ld["gathered"]) == 2, "[ok, CRC, fits], then the boxes"
+
+
+def test_fsdp_over_tensor_parallelism_resumes_on_another_world_size(tmp_path):
+    """FSDP2 over tensor parallelism, both sharding the first layer's rows (32 on 2 x 2
+    ranks: a strided shard, whose layout is not saved): on its own world the step restores
+    bit for bit, and on 2 ranks of plain FSDP too, from every saved part's position
+    gathered (each rank's rows are one block of the weight, as torch computes them)."""
+    saved = _ranks(4, "save-tp-even", tmp_path, RESHARD)  # (TP: an even split)
+    again = _ranks(4, "load-tp-even", tmp_path, RESHARD)
+    assert [(ld["step"], ld["full"]) for ld in again] == [(7, saved[0]["full"])] * 4
+    resized = _ranks(2, "load-even", tmp_path, RESHARD)
+    assert [(ld["step"], ld["full"]) for ld in resized] == [(7, saved[0]["full"])] * 2
+    assert [len(ld["gathered"]) for ld in resized] == [2, 2], "[ok, CRC, fits], then the boxes"
 
 
 def _drop_layouts(root):
