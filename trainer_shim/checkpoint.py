@@ -1113,7 +1113,9 @@ def _chunk_box(dtensor: Any) -> Box:
     return Box(tuple(offset), tuple(shape))
 
 
-_MESHES_IN_WORLD_ORDER: dict[int, tuple[Any, bool]] = {}
+_MESHES_IN_WORLD_ORDER: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+"""Whether a mesh holds the ranks in order, checked once a mesh (a restarted rank's new
+meshes are new entries; its old ones go with them)."""
 
 
 def _layout(dtensor: Any) -> reshard.Layout | None:
@@ -1132,12 +1134,12 @@ def _layout(dtensor: Any) -> reshard.Layout | None:
         else:
             return None
     mesh = dtensor.device_mesh
-    known = _MESHES_IN_WORLD_ORDER.get(id(mesh))
-    if known is None or known[0] is not mesh:  # (checked once a mesh: there are few)
+    in_order = _MESHES_IN_WORLD_ORDER.get(mesh)
+    if in_order is None:
         ranks = mesh.mesh.flatten()
-        known = _MESHES_IN_WORLD_ORDER[id(mesh)] = (mesh, bool(torch.equal(
-            ranks, torch.arange(ranks.numel(), dtype=ranks.dtype))))
-    if not known[1]:
+        in_order = _MESHES_IN_WORLD_ORDER[mesh] = bool(torch.equal(
+            ranks, torch.arange(ranks.numel(), dtype=ranks.dtype)))
+    if not in_order:
         return None
     return reshard.Layout(tuple(dtensor.shape), tuple(mesh.shape), tuple(splits))
 
