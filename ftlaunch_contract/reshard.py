@@ -10,6 +10,7 @@ the agent can serve byte ranges of staged shards from the same plan.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,10 +28,7 @@ class Box:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for n in self.shape:
-            count *= n
-        return count
+        return math.prod(self.shape)
 
     def relative_to(self, outer: Box) -> Box:
         """This box in the coordinates of ``outer`` (which contains it)."""
@@ -103,10 +101,7 @@ class Layout:
 
     @property
     def ranks(self) -> int:
-        count = 1
-        for n in self.mesh:
-            count *= n
-        return count
+        return math.prod(self.mesh)
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         coord = []
