@@ -882,6 +882,20 @@ def test_fsdp_over_tensor_parallelism_resumes_on_another_world_size(tmp_path):
     assert [len(ld["gathered"]) for ld in resized] == [2, 2], "[ok, CRC, fits], then the boxes"
 
 
+@pytest.mark.parametrize("saved", [
+    None, [], [[33, 8], [2, 2]], [[33, 8], [2, 2], [-1, 2]], [[33, 8], [0], [0]],
+    [[33, 8], [2], [0, -1]], [[33, 8.0], [2], [0]], [[33, 8], [2], [True]], "[[33],[2],[0]]",
+    [[-1, 8], [2], [0]],
+])
+def test_a_layout_that_is_not_one_is_taken_for_none(saved):
+    """A meta's layout, read back: anything but shape, mesh and splits that fit each other
+    is no layout (the restore gathers every part's box instead of failing on it)."""
+    from trainer_shim.checkpoint import _saved_layout
+
+    assert _saved_layout(saved) is None
+    assert _saved_layout([[33, 8], [2, 2], [-1, 0]]) is not None
+
+
 def _drop_layouts(root):
     import msgpack
 

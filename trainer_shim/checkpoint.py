@@ -1228,14 +1228,27 @@ def _decode(value: Any, tensors: list[Any]) -> Any:
             t = tensors[value["__t__"]]
             if not value.get("shard"):
                 return t
-            box, layout = value.get("box"), value.get("layout")
+            box = value.get("box")
             return _Shard(t, Box(tuple(box[0]), tuple(box[1])) if box else None,
-                          reshard.Layout(*map(tuple, layout)) if layout else None)
+                          _saved_layout(value.get("layout")))
         if "__d__" in value:
             return {_decode(k, tensors): _decode(v, tensors) for k, v in value["__d__"]}
         items = [_decode(v, tensors) for v in value["__l__"]]
         return tuple(items) if value["tuple"] else items
     return value
+
+
+def _saved_layout(saved: Any) -> reshard.Layout | None:
+    """A shard's saved layout, or None where there is none or it is not one (then a resized
+    restore gathers every saved part's box, as for a checkpoint from before layouts)."""
+    if not (isinstance(saved, list) and len(saved) == 3 and all(
+            isinstance(part, list) and all(type(n) is int for n in part) for part in saved)):
+        return None
+    shape, mesh, splits = map(tuple, saved)
+    if len(mesh) != len(splits) or not all(-1 <= d < len(shape) for d in splits) \
+            or min(mesh, default=0) < 1 or min(shape, default=0) < 0:
+        return None
+    return reshard.Layout(shape, mesh, splits)
 
 
 def _rebuild(value: Any, current: Any, owned: bool) -> Any:
