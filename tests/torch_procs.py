@@ -46,11 +46,6 @@ class Script:
         self.process = _context.Process(target=_run, args=(script, argv, str(out)))
         self.process.start()
 
-    @property
-    def pid(self) -> int:
-        assert self.process.pid is not None
-        return self.process.pid
-
     def wait(self, timeout: float) -> int:
         """Its exit code (a signal's: negative); kills it and fails past ``timeout``."""
         self.process.join(timeout)
