@@ -321,9 +321,10 @@ class Options:
         return draw_schedule(self.seed, self.faults, self.kinds, self.world, self.nodes)
 
     def steps(self) -> int:
-        plan = self.schedule()  # room for the last fault to land
-        # A network fault lasts seconds (~250 steps here), beyond the steps between faults.
-        return (plan[-1].step if plan else 0) + 40 + 250 * sum(f.kind in NET_KINDS for f in plan)
+        plan = self.schedule()  # room for the last fault to land, and for a lossy link's
+        # seconds to be trained through (~150 steps here); the job holds before its last step
+        # until the faults are over (train_gpt.py), so no fault finds it ended.
+        return (plan[-1].step if plan else 0) + 40 + 150 * sum(f.kind == "loss" for f in plan)
 
     def train_args(self, work: Path, step_time: float = 0.02) -> list[str]:
         """``step_time``: paces the faulted run's steps (faults land between them); the
@@ -754,7 +755,7 @@ def run_job(opts: Options, work: Path) -> Run:
                 injected.append(inject(job, fault))
                 wait_recovered(job, injected[-1])
                 mark = len(job.out.lines)
-            # The steps left are room a fault might have needed: run them unpaced.
+            # The faults are over: the job's last steps need no pacing, nor holding.
             (work / "chaos" / "unpaced").touch()
             for proc in job.alive():
                 proc.wait(timeout=300)

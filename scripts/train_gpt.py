@@ -8,7 +8,8 @@ exception, stop, hang, spin; TRAIN_FAULT_DELAY: seconds the rank waits first) th
 unset or "0") unless TRAIN_FAULT_EVERY_ATTEMPT is set; TRAIN_STUCK_RANK blocks that rank for
 good at the same step. TRAIN_CHAOS_DIR (scripts/chaos.py): a file ``rank<r>`` there holds a
 fault kind rank r injects at its next step, in any attempt, and a file ``unpaced`` ends
---step-time's pacing (the faults are over: the rest only has to reach --steps). --shim runs the same training through trainer_shim (and stops at
+--step-time's pacing (the faults are over: the rest only has to reach --steps); until it
+exists, the ranks hold before the last step. --shim runs the same training through trainer_shim (and stops at
 ft.preempted(), saving first); --async-ckpt checkpoints through its AsyncCheckpointer
 (every rank its own state; --persist-every); --cuda puts each rank on its GPU with NCCL.
 
@@ -105,6 +106,15 @@ def chaos_over():
     """scripts/chaos.py injected its last fault: the steps left need no pacing."""
     return "TRAIN_CHAOS_DIR" in os.environ and os.path.exists(
         os.path.join(os.environ["TRAIN_CHAOS_DIR"], "unpaced"))
+
+
+def hold_until_chaos_over(step, heartbeat):
+    """Before the last step, wait for scripts/chaos.py to be done with its faults: a fault it
+    still watches (a heal, a lossy link) must find the job running, however fast it trained."""
+    deadline = time.monotonic() + 600
+    while "TRAIN_CHAOS_DIR" in os.environ and not chaos_over() and time.monotonic() < deadline:
+        heartbeat(step - 1)
+        time.sleep(0.02)
 
 
 def maybe_inject_fault(rank, step, heartbeat):
@@ -284,6 +294,8 @@ def train(ctx, args, shim):
     loss_val, t0, stopped_early = None, time.perf_counter(), False
     for step in range(start + 1, args.steps + 1):  # `step` = number of steps done after it
         maybe_inject_fault(rank, step, heartbeat)
+        if step == args.steps:
+            hold_until_chaos_over(step, heartbeat)
         x, y = (t.to(device) for t in make_batch(args.seed, rank, step, args.batch_size))
         loss = F.cross_entropy(ddp(x).reshape(-1, VOCAB), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
