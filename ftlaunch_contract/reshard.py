@@ -98,10 +98,18 @@ class Layout:
     shape: tuple[int, ...]  # the global tensor's
     mesh: tuple[int, ...]  # the mesh's shape: rank r sits at r's row-major coordinate
     splits: tuple[int, ...]  # per mesh dimension, the tensor dimension it shards; -1: none
+    order: tuple[int, ...] = ()
+    """The mesh dimensions in the order they cut (empty: the mesh's). FSDP2 over tensor
+    parallelism cuts by the TP dimension first and then each TP part by the FSDP one (torch
+    marks the FSDP dimension a _StridedShard)."""
 
     @property
     def ranks(self) -> int:
         return math.prod(self.mesh)
+
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        return self.order or tuple(range(len(self.mesh)))
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         coord = []
@@ -109,6 +117,12 @@ class Layout:
             rank, c = divmod(rank, n)
             coord.append(c)
         return tuple(reversed(coord))
+
+    def rank(self, coordinate: Sequence[int]) -> int:
+        rank = 0
+        for c, n in zip(coordinate, self.mesh, strict=True):
+            rank = rank * n + c
+        return rank
 
 
 def _split(length: int, parts: int, index: int) -> tuple[int, int]:
@@ -118,16 +132,24 @@ def _split(length: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(chunk, length - start)
 
 
-def box_of(layout: Layout, rank: int) -> Box:
-    """Saved rank ``rank``'s box, as torch's DTensor computes it: the mesh dimensions shard
-    in order, each cutting what the earlier ones left; an empty part sits at the end."""
+def box_at(layout: Layout, coordinate: Sequence[int]) -> Box:
+    """The box of the part at ``coordinate`` of the mesh: the mesh dimensions cut in their
+    order, each what the earlier ones left, as torch.chunk does; an empty part sits at the
+    end."""
     offset, shape = [0] * len(layout.shape), list(layout.shape)
-    for c, parts, dim in zip(layout.coordinate(rank), layout.mesh, layout.splits, strict=True):
+    for level in layout.cuts:
+        dim = layout.splits[level]
         if dim < 0:
             continue
-        start, shape[dim] = _split(shape[dim], parts, c)
+        start, shape[dim] = _split(shape[dim], layout.mesh[level], coordinate[level])
         offset[dim] = offset[dim] + start if shape[dim] else layout.shape[dim]
     return Box(tuple(offset), tuple(shape))
+
+
+def box_of(layout: Layout, rank: int) -> Box:
+    """Saved rank ``rank``'s box (see box_at): for plain shards what torch's DTensor
+    computes; for FSDP2 over TP, where the rows are."""
+    return box_at(layout, layout.coordinate(rank))
 
 
 def ranks_over(layout: Layout, wanted: Box, prefer: int = 0) -> list[int]:
@@ -137,15 +159,17 @@ def ranks_over(layout: Layout, wanted: Box, prefer: int = 0) -> list[int]:
     if wanted.empty:
         return []
     mine = layout.coordinate(prefer % layout.ranks) if layout.ranks else ()
+    cuts, coordinate = layout.cuts, list(mine)
     found: list[int] = []
 
-    def walk(level: int, rank: int, offset: list[int], shape: list[int]) -> None:
-        if level == len(layout.mesh):
-            found.append(rank)
+    def walk(at: int, offset: list[int], shape: list[int]) -> None:
+        if at == len(cuts):
+            found.append(layout.rank(coordinate))
             return
+        level = cuts[at]
         parts, dim = layout.mesh[level], layout.splits[level]
         if dim < 0:
-            walk(level + 1, rank * parts + mine[level], offset, shape)
+            walk(at + 1, offset, shape)
             return
         size, chunk = shape[dim], -(-shape[dim] // parts)
         if not chunk:
@@ -155,7 +179,8 @@ def ranks_over(layout: Layout, wanted: Box, prefer: int = 0) -> list[int]:
         for c in range(low, high + 1):
             start, n = _split(size, parts, c)
             if n:
-                walk(level + 1, rank * parts + c, offset[:dim] + [offset[dim] + start]
-                     + offset[dim + 1:], shape[:dim] + [n] + shape[dim + 1:])
-    walk(0, 0, [0] * len(layout.shape), list(layout.shape))
+                coordinate[level] = c
+                walk(at + 1, offset[:dim] + [offset[dim] + start] + offset[dim + 1:],
+                     shape[:dim] + [n] + shape[dim + 1:])
+    walk(0, [0] * len(layout.shape), list(layout.shape))
     return found

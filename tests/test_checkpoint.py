@@ -728,7 +728,8 @@ RESHARD = textwrap.dedent("""
                             world_size=world)
     phase, *how = phase.split("-")  # e.g. save-hsdp: how the model is laid out
     from torch.distributed.device_mesh import init_device_mesh
-    mesh, tp_mesh, data_rank, hidden = None, None, rank, 32 if "even" in how else 33
+    mesh, tp_mesh, data_rank = None, None, rank
+    hidden = 32 if "even" in how else 13 if "odd" in how else 33
     if "hsdp" in how:  # HSDP: 2 replicas of world / 2 shards
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     elif "dp" in how:  # FSDP over the "dp" dimension of a (dp, tp) mesh: ranks 0, 2 and 1, 3
@@ -737,12 +738,16 @@ RESHARD = textwrap.dedent("""
     elif "tp" in how:  # FSDP2 over "dp" of tensor parallelism over "tp": both shard dimension
         from torch.distributed.tensor.parallel import (  # 0 of the first layer's weight
             ColwiseParallel, RowwiseParallel, parallelize_module)  # (a strided shard)
-        tp_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        tp_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         mesh, data_rank = tp_mesh["dp"], rank // 2
     torch.manual_seed(0 if phase == "save" else 1)  # the loader starts from other weights
     model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.GELU(),
                                 torch.nn.Linear(hidden, 5))
-    if tp_mesh is not None:
+    if tp_mesh is not None and "odd" in how:  # (torch's RowwiseParallel needs even rows)
+        from torch.distributed.tensor import Replicate
+        model = parallelize_module(model, tp_mesh["tp"],
+                                   {"0": ColwiseParallel(output_layouts=Replicate())})
+    elif tp_mesh is not None:
         model = parallelize_module(model, tp_mesh["tp"], {"0": ColwiseParallel(),
                                                           "2": RowwiseParallel()})
     for layer in (model[0], model[2], model):
@@ -853,33 +858,57 @@ def test_hsdp_state_resumes_on_a_world_of_another_shape(tmp_path):
     assert [ld["metas"] for ld in loaded] == [[0, 3], [0, 1], [2, 3]]
 
 
-def test_state_sharded_over_a_sub_mesh_resumes_from_every_parts_position_gathered(tmp_path):
+def test_state_sharded_over_a_sub_mesh_resumes_from_its_layout_in_the_world_mesh(tmp_path):
     """FSDP over the "dp" dimension of a (dp, tp) mesh (as under tensor parallelism): each
-    tensor's mesh holds ranks 0, 2 or 1, 3, not the world in order, so no layout is saved
-    and a restore on 3 ranks gathers every saved part's position (each part saved twice,
-    once by each "dp" group), bit for bit."""
+    tensor's mesh holds ranks 0, 2 or 1, 3, a slice of the world's (2, 2) mesh, so its
+    layout is saved on that one, "tp" replicating it (each part is saved twice, once by
+    each "dp" group). On 3 ranks the state restores bit for bit, each rank reading its old
+    rank's replica, with one gather."""
+    import msgpack
+
     from ftlaunch_contract import shards
 
     saved = _ranks(4, "save-dp", tmp_path, RESHARD)
     assert [s["full"] for s in saved[1:]] == [saved[0]["full"]] * 3, "one state, held twice"
-    assert b"layout" not in (tmp_path / "ckpt" / shards.meta_name(7, 0)).read_bytes()
+    meta = msgpack.unpackb((tmp_path / "ckpt" / shards.meta_name(7, 1)).read_bytes(),
+                           raw=False, strict_map_key=False)
+    assert "[[33, 8], [2, 2], [0, -1]]" in repr(meta["tree"]), "saved rank 1: its weight's"
     loaded = _ranks(3, "load", tmp_path, RESHARD)
     for ld in loaded:
         assert ld["full"] == saved[0]["full"]
-        assert len(ld["gathered"]) == 2, "[ok, CRC, fits], then the boxes"
+        assert ld["gathered"] == [3], "[ok, CRC, fits] alone"
+    # New rank 0's rows lie in saved part (dp 0) of its old rank's replica (tp 0): rank 0's
+    # (and saved rank 3's meta read in its share); rank 1's straddle dp 0 and 1 of tp 1:
+    # ranks 1 and 3; rank 2's lie in dp 1 of tp 0: rank 2's.
+    assert [ld["metas"] for ld in loaded] == [[0, 3], [1, 3], [2]]
 
 
 def test_fsdp_over_tensor_parallelism_resumes_on_another_world_size(tmp_path):
     """FSDP2 over tensor parallelism, both sharding the first layer's rows (32 on 2 x 2
-    ranks: a strided shard, whose layout is not saved): on its own world the step restores
-    bit for bit, and on 2 ranks of plain FSDP too, from every saved part's position
-    gathered (each rank's rows are one block of the weight, as torch computes them)."""
+    ranks: torch marks FSDP's a strided shard; its layout cuts by "tp" first): on its own
+    world the step restores bit for bit, and on 2 ranks of plain FSDP too, every saved
+    part found from the saved layouts."""
     saved = _ranks(4, "save-tp-even", tmp_path, RESHARD)  # (TP: an even split)
     again = _ranks(4, "load-tp-even", tmp_path, RESHARD)
     assert [(ld["step"], ld["full"]) for ld in again] == [(7, saved[0]["full"])] * 4
     resized = _ranks(2, "load-even", tmp_path, RESHARD)
     assert [(ld["step"], ld["full"]) for ld in resized] == [(7, saved[0]["full"])] * 2
-    assert [len(ld["gathered"]) for ld in resized] == [2, 2], "[ok, CRC, fits], then the boxes"
+    assert [len(ld["gathered"]) for ld in resized] == [1, 1], "[ok, CRC, fits] alone"
+
+
+def test_fsdp_over_tensor_parallelism_restores_rows_that_do_not_divide(tmp_path):
+    """FSDP2 over TP on 3 x 2 ranks, 13 rows in the first layer: its TP parts (7 and 6 rows)
+    are cut in 3 (3, 3, 1 and 2, 2, 2). Torch's offsets for such a strided shard are not
+    where its rows are (it says (2, 0) holds rows 6-7; it holds row 6, and (2, 1) rows
+    11-12): saved where they are, the state restores bit for bit on its own 6 ranks and on 4
+    of plain FSDP, every saved part found from the saved layouts (one gather)."""
+    saved = _ranks(6, "save-tp-odd", tmp_path, RESHARD)
+    assert [s["full"] for s in saved[1:]] == [saved[0]["full"]] * 5
+    again = _ranks(6, "load-tp-odd", tmp_path, RESHARD)
+    assert [(ld["step"], ld["full"]) for ld in again] == [(7, saved[0]["full"])] * 6
+    resized = _ranks(4, "load-odd", tmp_path, RESHARD)
+    assert [(ld["step"], ld["full"]) for ld in resized] == [(7, saved[0]["full"])] * 4
+    assert [len(ld["gathered"]) for ld in resized] == [1] * 4, "[ok, CRC, fits] alone"
 
 
 @pytest.mark.parametrize("saved", [

@@ -9,7 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftlaunch_contract.reshard import Box, Layout, box_of, even_chunks, intersect, plan, ranks_over
+from ftlaunch_contract.reshard import (
+    Box,
+    Layout,
+    box_at,
+    box_of,
+    even_chunks,
+    intersect,
+    plan,
+    ranks_over,
+)
 
 
 def grid(shape: tuple[int, ...], parts: tuple[int, ...]) -> list[Box]:
@@ -93,7 +102,8 @@ def meshes(draw):
     mesh = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
     splits = tuple(draw(st.lists(st.integers(-1, len(shape) - 1), min_size=len(mesh),
                                  max_size=len(mesh))))
-    return Layout(shape, mesh, splits)
+    order = tuple(draw(st.permutations(range(len(mesh))))) if draw(st.booleans()) else ()
+    return Layout(shape, mesh, splits, order)
 
 
 @settings(max_examples=300, deadline=None)
@@ -105,6 +115,7 @@ def test_a_layouts_boxes_are_torchs(layout):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
+    layout = Layout(layout.shape, layout.mesh, layout.splits)  # in the mesh's order
     placements = [Replicate() if d < 0 else Shard(d) for d in layout.splits]
     for rank in range(layout.ranks):
         shape, offset = _compute_local_shape_and_global_offset(
@@ -138,6 +149,28 @@ def test_the_parts_over_a_wanted_box_are_every_distinct_part_that_overlaps_it(la
     if not wanted.empty:
         assert sum(p.dst.numel for p in plan([(r, box_of(layout, r)) for r in found],
                                              wanted)) == wanted.numel
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 40), st.integers(1, 4), st.integers(1, 4))
+def test_fsdp2_over_tensor_parallelism_cuts_each_tp_part(rows, dp, tp):
+    """FSDP2 over TP on a (dp, tp) mesh: a rank holds its TP part's dp-th chunk (as
+    torch.chunk cuts, empty ones last), which the layout that cuts by "tp" first says. (Not
+    torch's offsets for the _StridedShard it marks: see _cuts in trainer_shim/checkpoint.py.)"""
+    torch = pytest.importorskip("torch")
+
+    def chunks(t, parts):
+        got = list(t.chunk(parts)) if t.numel() else []
+        return got + [t[len(t):]] * (parts - len(got))
+
+    weight = torch.arange(rows)
+    layout = Layout((rows,), (dp, tp), (0, 0), order=(1, 0))
+    for i in range(dp):
+        for j in range(tp):
+            held = chunks(chunks(weight, tp)[j], dp)[i].tolist()
+            box = box_at(layout, (i, j))
+            assert box == box_of(layout, layout.rank((i, j)))
+            assert held == list(range(box.offset[0], box.offset[0] + box.shape[0])), (i, j)
 
 
 def test_a_new_rank_of_a_large_world_reads_the_two_parts_it_straddles():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import mmap
 import os
 import queue
@@ -1108,40 +1109,92 @@ def _chunk_box(dtensor: Any) -> Box:
     """Where this rank's local part of a DTensor sits in the global tensor."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    cuts = _cuts(dtensor)
+    if cuts is not None and cuts[1]:  # FSDP2 over TP: see _cuts
+        mesh = dtensor.device_mesh
+        return reshard.box_at(reshard.Layout(tuple(dtensor.shape), tuple(mesh.shape), *cuts),
+                              mesh.get_coordinate())
     shape, offset = compute_local_shape_and_global_offset(
         dtensor.shape, dtensor.device_mesh, dtensor.placements)
     return Box(tuple(offset), tuple(shape))
 
 
-_MESHES_IN_WORLD_ORDER: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-"""Whether a mesh holds the ranks in order, checked once a mesh (a restarted rank's new
-meshes are new entries; its old ones go with them)."""
+def _cuts(dtensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Per mesh dimension the tensor dimension it shards (-1: it replicates), and the order
+    the mesh dimensions cut in (empty: the mesh's), or None for placements this does not
+    know. FSDP2 over tensor parallelism marks its dimension a _StridedShard whose split
+    factor is the TP dimensions' size: FSDP2 cuts each TP part, so those cut first. (For a
+    dimension not divisible by both, torch's own offsets of such a shard are not where its
+    rows are: a 13-row weight on 3 x 2 ranks holds row 6 at (2, 0), torch says rows 6-7.)"""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    splits: list[int] = []
+    strided: dict[int, int] = {}
+    for level, placement in enumerate(dtensor.placements):
+        if type(placement) is Replicate:
+            splits.append(-1)
+        elif type(placement) in (Shard, _StridedShard) and placement.dim >= 0:
+            splits.append(placement.dim)
+            if type(placement) is _StridedShard:
+                strided[level] = int(placement.split_factor)
+        else:
+            return None
+    order = list(range(len(splits)))
+    for level, factor in strided.items():
+        later = [b for b in range(level + 1, len(splits)) if splits[b] == splits[level]]
+        if any(b in strided for b in later) or factor != math.prod(
+                dtensor.device_mesh.shape[b] for b in later):
+            return None
+        if later:
+            order.remove(level)
+            order.insert(order.index(later[-1]) + 1, level)
+    return tuple(splits), tuple(order) if order != sorted(order) else ()
+
+
+_IN_WORLD: weakref.WeakKeyDictionary[Any, tuple[tuple[int, ...], tuple[int, ...]] | None] = \
+    weakref.WeakKeyDictionary()
+"""Per mesh, checked once (a restarted rank's new meshes are new entries; its old ones go
+with them): see _in_world."""
+
+
+def _in_world(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The shape of the mesh holding the world's ranks in order that ``mesh`` is, or is a
+    slice of (init_device_mesh's, sliced by dimension names: FSDP over "dp" under TP), and
+    which of its dimensions are ``mesh``'s; None where it is neither."""
+    if mesh in _IN_WORLD:
+        return _IN_WORLD[mesh]
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    ranks, found = root.mesh, None
+    if torch.equal(ranks.flatten(), torch.arange(ranks.numel(), dtype=ranks.dtype)):
+        names, own = root.mesh_dim_names or (), mesh.mesh_dim_names or ()
+        dims = tuple(range(ranks.dim())) if root is mesh else tuple(
+            names.index(n) if n in names else -1 for n in own)
+        if dims and list(dims) == sorted(set(dims)) and dims[0] >= 0:  # in the root's order
+            coordinate = root.get_coordinate() or ()  # the slice through this rank
+            through = tuple(slice(None) if d in dims else c for d, c in enumerate(coordinate))
+            if len(through) == ranks.dim() and torch.equal(ranks[through], mesh.mesh):
+                found = (tuple(root.shape), dims)
+    _IN_WORLD[mesh] = found
+    return found
 
 
 def _layout(dtensor: Any) -> reshard.Layout | None:
-    """How ``dtensor`` is split, where that says where every rank's part sits: its mesh holds
-    the ranks in order (as init_device_mesh makes it) and each mesh dimension shards
-    (Shard) or replicates. Else None (a sub-mesh of another, a strided shard): a restore on
+    """How ``dtensor`` is split, where that says where every rank's part sits: its mesh is
+    one in world order or a slice of one (see _in_world; a slice's other dimensions
+    replicate it), and its placements are known (see _cuts). Else None: a restore on
     another world size then gathers every saved part's box."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    splits = []
-    for placement in dtensor.placements:
-        if type(placement) is Shard and placement.dim >= 0:
-            splits.append(placement.dim)
-        elif type(placement) is Replicate:
-            splits.append(-1)
-        else:
-            return None
-    mesh = dtensor.device_mesh
-    in_order = _MESHES_IN_WORLD_ORDER.get(mesh)
-    if in_order is None:
-        ranks = mesh.mesh.flatten()
-        in_order = _MESHES_IN_WORLD_ORDER[mesh] = bool(torch.equal(
-            ranks, torch.arange(ranks.numel(), dtype=ranks.dtype)))
-    if not in_order:
+    cuts, world = _cuts(dtensor), _in_world(dtensor.device_mesh)
+    if cuts is None or world is None:
         return None
-    return reshard.Layout(tuple(dtensor.shape), tuple(mesh.shape), tuple(splits))
+    (splits, order), (mesh, dims) = cuts, world
+    everywhere = [-1] * len(mesh)
+    for dim, split in zip(dims, splits, strict=True):
+        everywhere[dim] = split
+    cutting = tuple(dims[level] for level in order or range(len(dims)))
+    cutting += tuple(d for d in range(len(mesh)) if d not in dims)  # (they cut nothing)
+    return reshard.Layout(tuple(dtensor.shape), mesh, tuple(everywhere),
+                          cutting if cutting != tuple(range(len(mesh))) else ())
 
 
 def _region(tensor: torch.Tensor, box: Box) -> torch.Tensor:
@@ -1208,7 +1261,8 @@ def _encode(value: Any, tensors: list[torch.Tensor], dtensor: Any) -> Any:
             encoded = {"__t__": len(tensors) - 1, "shard": True,
                        "box": [list(box.offset), list(box.shape)]}
             if layout is not None:
-                encoded["layout"] = [list(layout.shape), list(layout.mesh), list(layout.splits)]
+                encoded["layout"] = [list(layout.shape), list(layout.mesh),
+                                     list(layout.splits)] + ([list(layout.order)] if layout.order else [])
             return encoded
         tensors.append(value)
         return {"__t__": len(tensors) - 1}
@@ -1241,14 +1295,15 @@ def _decode(value: Any, tensors: list[Any]) -> Any:
 def _saved_layout(saved: Any) -> reshard.Layout | None:
     """A shard's saved layout, or None where there is none or it is not one (then a resized
     restore gathers every saved part's box, as for a checkpoint from before layouts)."""
-    if not (isinstance(saved, list) and len(saved) == 3 and all(
+    if not (isinstance(saved, list) and len(saved) in (3, 4) and all(
             isinstance(part, list) and all(type(n) is int for n in part) for part in saved)):
         return None
-    shape, mesh, splits = map(tuple, saved)
+    shape, mesh, splits, *order = map(tuple, saved)
     if len(mesh) != len(splits) or not all(-1 <= d < len(shape) for d in splits) \
-            or min(mesh, default=0) < 1 or min(shape, default=0) < 0:
+            or min(mesh, default=0) < 1 or min(shape, default=0) < 0 \
+            or (order and sorted(order[0]) != list(range(len(mesh)))):
         return None
-    return reshard.Layout(shape, mesh, splits)
+    return reshard.Layout(shape, mesh, splits, *order)
 
 
 def _rebuild(value: Any, current: Any, owned: bool) -> Any:
