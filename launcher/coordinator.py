@@ -971,6 +971,9 @@ class Coordinator:
         assigns = self._codec.encode_each(list(s.assigns.values()), s.epoch, Assign.SEAT)
         for node, frames in zip(s.assigns, assigns, strict=True):
             self._send_frames(s.identities[node], frames)
+            # Word from us, as an ack is: a node's first beat after it needs none (else a
+            # large job's every node has its first beat acked, 16,384 acks a round).
+            self._beats[s.identities[node]] = (now, now)
         for node in s.members.keys() - s.group_ranks.keys():  # spares: whom to follow now
             if node in s.identities:
                 self._send(s.identities[node], Spare(members=members, spares=s.spares,

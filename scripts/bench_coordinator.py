@@ -8,7 +8,8 @@ from the others.
 
     heartbeats  N agents of a running job beat at the job's rate (membership.beat_interval:
                 at most HEARTBEATS_PER_SECOND): the coordinator's CPU (thread + I/O thread)
-                over --window seconds, and per heartbeat.
+                over --window seconds, and per heartbeat, once each node has beaten once
+                (--warmup, default one beat interval: the steady state, acks included).
     takeover    a successor's coordinator starts (as ControlPlane.fail_over starts it) and
                 N-1 survivors join, on connections to its standby socket opened beforehand
                 (ControlPlane._prepare_takeover) or, with --connect-at-takeover, all
@@ -205,7 +206,7 @@ def dealer(context, port):
 
 
 def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False,
-          joins_first=False):
+          joins_first=False, warmup=0.0):
     """Agents ``ids`` of a job of ``n`` in one process on ``cpus``: they beat at their share
     of the job's rate for ``window`` seconds, or join a takeover and wait for their assigns."""
     os.sched_setaffinity(0, cpus)
@@ -245,22 +246,23 @@ def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False,
                     for i, got in arrived.items()}
         conn.send((sent_at, min(assigned.values()), max(assigned.values()), len(assigned)))
     else:
-        beat, sent = membership.beat_interval(0.5, n) / len(ids), 0  # evenly spread
+        beat, sent, counted = membership.beat_interval(0.5, n) / len(ids), 0, 0  # spread
         order = list(ids)
         # As a node of 8 ranks says them for `ftlaunch status`: rank, step, beat age (ms).
         ranks = {i: tuple(RankState(8 * i + r, 1000, 40) for r in range(8)) for i in ids}
-        while (now := time.monotonic()) < t0 + window:
+        while (now := time.monotonic()) < t0 + warmup + window:
             if now < t0 + sent * beat:
                 time.sleep(t0 + sent * beat - now)
             i = order[sent % len(order)]
             socks[i].send_multipart(codecs[i].encode(Heartbeat(node_id=node(i), phase="running",
                                                                ranks=ranks[i], electorate_epoch=0), 0))
             sent += 1
+            counted += now >= t0 + warmup
             if sent % 256 == 0:  # the acks
                 for sock in socks.values():
                     while sock.poll(0):
                         sock.recv_multipart()
-        conn.send(sent)
+        conn.send(counted)
     for sock in socks.values():
         sock.close(0)
     context.term()
@@ -274,7 +276,7 @@ def answer(conn, timeout=300):
 
 
 def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus=1,
-          io_threads=1, joins_first=False, socket_floor=False):
+          io_threads=1, joins_first=False, socket_floor=False, warmup=0.0):
     """``cpus``: the first ``coordinator_cpus`` for the coordinator, the others for the
     agents."""
     spawn = mp.get_context("spawn")
@@ -293,7 +295,7 @@ def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus
         mine, theirs = mp.Pipe()
         worker = spawn.Process(target=swarm, daemon=True, args=(
             ids[k::procs], n, port, takeover, window, theirs, cpus[coordinator_cpus:],
-            connect_at_takeover, joins_first))
+            connect_at_takeover, joins_first, warmup))
         worker.start()
         swarms.append((worker, mine))
     for _, conn in swarms:
@@ -301,15 +303,18 @@ def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus
     if not connect_at_takeover:
         time.sleep(2.0)  # connected
     t0 = time.monotonic()
-    cpu0 = None if thread_id is None else coordinator_cpu(proc.pid, thread_id)
     for _, conn in swarms:
         conn.send(t0)
+    if not takeover:  # measured once every node has beaten (and been acked) once
+        time.sleep(warmup)
+    measured_from = time.monotonic()
+    cpu0 = None if thread_id is None else coordinator_cpu(proc.pid, thread_id)
     if joins_first:
         joined = max(answer(conn) for _, conn in swarms)
         time.sleep(max(0.0, joined + 1.0 - time.monotonic()))  # delivered and queued by then
         here.send("serve")
     reports = [answer(conn) for _, conn in swarms]
-    wall = time.monotonic() - t0
+    wall = time.monotonic() - measured_from
     out = {"nodes": n}
     if takeover:
         out["joins_sent_s"] = max(r[0] for r in reports) - t0
@@ -340,7 +345,9 @@ def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="1024,4096,8192,16384")
-    p.add_argument("--window", type=float, default=10.0, help="seconds of heartbeats")
+    p.add_argument("--window", type=float, default=10.0, help="seconds of heartbeats measured")
+    p.add_argument("--warmup", type=float, default=None,
+                   help="seconds of heartbeats before (default: one of the job's beat intervals)")
     p.add_argument("--connect-at-takeover", action="store_true",
                    help="survivors connect to the successor as they join (no connection "
                         "opened beforehand)")
@@ -381,9 +388,10 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
         with roomy_kernel(n):  # as root, when n needs it: the loopback's backlog, ports, queue
+            warmup = membership.beat_interval(0.5, n) if args.warmup is None else args.warmup
             hb = None if args.takeover_only else bench(n, False, args.window, cpus,
                                                        coordinator_cpus=args.coordinator_cpus,
-                                                       io_threads=args.io_threads)
+                                                       io_threads=args.io_threads, warmup=warmup)
             tk = bench(n, True, 0, cpus, args.connect_at_takeover, args.coordinator_cpus,
                        args.io_threads, args.joins_first, args.socket_floor)
         beats = "| - | - | - " if hb is None else (

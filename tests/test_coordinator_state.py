@@ -476,6 +476,30 @@ def test_an_agent_hears_an_ack_well_within_its_liveness_timeout(nodes, interval,
     assert (len(acked) >= round((t - 10.0) / beat)) == every_beat, (len(acked), beat, gaps)
 
 
+@pytest.mark.parametrize("nodes", [2, 16384])
+def test_the_beat_that_follows_an_assign_is_not_acked(nodes):
+    """An assign is word from the coordinator, as an ack is: the node's first beat after it
+    needs none (a 16,384-node round was followed by 16,384 acks), and the beats after are
+    acked as always, well within the liveness timeout of the assign."""
+    from launcher.membership import beat_interval, liveness_timeout
+
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})  # assigned at 1.1
+    _running(coordinator)
+    state = coordinator._state
+    state.max_nodes = nodes
+    beat, liveness = beat_interval(0.5, nodes), liveness_timeout(state.node_timeout, nodes)
+    t, acked = 1.1 + beat, []
+    while t < 1.1 + 3 * liveness:
+        before = len(socket.sent)
+        coordinator._handle(b"b", Envelope(1, CONTROL["heartbeat"](
+            node_id="b", phase="running", ranks=(), electorate_epoch=-1)), t)
+        acked += [t for _, m in socket.sent[before:] if m.body.TYPE == "heartbeat_ack"]
+        t += beat
+    assert acked and acked[0] > 1.1 + beat, "the first beat after the assign"
+    heard = [1.1, *acked]
+    assert max(b - a for a, b in zip(heard, heard[1:], strict=False)) <= 0.75 * liveness, (beat, acked)
+
+
 def test_a_large_job_heartbeats_less_often_and_waits_three_of_its_beats():
     from launcher.membership import (
         HEARTBEATS_PER_SECOND,
