@@ -911,18 +911,46 @@ def test_fsdp_over_tensor_parallelism_restores_rows_that_do_not_divide(tmp_path)
     assert [len(ld["gathered"]) for ld in resized] == [1] * 4, "[ok, CRC, fits] alone"
 
 
+def test_the_order_a_meshs_dimensions_cut_in_is_read_from_the_placements():
+    """FSDP2 over TP (a _StridedShard whose split factor is the TP dimensions' size) cuts by
+    TP first, as does HSDP over TP; placements this cannot say where the parts sit for
+    (a split factor that is not the later dimensions', a Partial) have no layout."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from trainer_shim.checkpoint import _cuts
+
+    def cuts(mesh, *placements):
+        return _cuts(SimpleNamespace(placements=placements,
+                                     device_mesh=SimpleNamespace(shape=mesh)))
+
+    assert cuts((4,), Shard(0)) == ((0,), ())
+    assert cuts((2, 2), Replicate(), Shard(1)) == ((-1, 1), ())
+    assert cuts((3, 2), _StridedShard(0, split_factor=2), Shard(0)) == ((0, 0), (1, 0))
+    assert cuts((2, 3, 2), Replicate(), _StridedShard(0, split_factor=2), Shard(0)) == \
+        ((-1, 0, 0), (0, 2, 1))
+    assert cuts((2, 2), _StridedShard(1, split_factor=2), Shard(0)) is None  # another dim
+    assert cuts((3, 2), _StridedShard(0, split_factor=3), Shard(0)) is None
+    assert cuts((2, 2), Shard(0), Partial()) is None
+
+
 @pytest.mark.parametrize("saved", [
     None, [], [[33, 8], [2, 2]], [[33, 8], [2, 2], [-1, 2]], [[33, 8], [0], [0]],
     [[33, 8], [2], [0, -1]], [[33, 8.0], [2], [0]], [[33, 8], [2], [True]], "[[33],[2],[0]]",
-    [[-1, 8], [2], [0]],
+    [[-1, 8], [2], [0]], [[33, 8], [2, 2], [0, 0], [0, 0]], [[33, 8], [2, 2], [0, 0], [2, 0]],
+    [[33, 8], [2, 2], [0, 0], [1, 0], []],
 ])
 def test_a_layout_that_is_not_one_is_taken_for_none(saved):
-    """A meta's layout, read back: anything but shape, mesh and splits that fit each other
-    is no layout (the restore gathers every part's box instead of failing on it)."""
+    """A meta's layout, read back: anything but shape, mesh and splits (and the order the
+    mesh's dimensions cut in, a permutation of them) that fit each other is no layout (the
+    restore gathers every part's box instead of failing on it)."""
     from trainer_shim.checkpoint import _saved_layout
 
     assert _saved_layout(saved) is None
     assert _saved_layout([[33, 8], [2, 2], [-1, 0]]) is not None
+    assert _saved_layout([[33, 8], [2, 2], [0, 0], [1, 0]]).order == (1, 0)
 
 
 def _drop_layouts(root):
