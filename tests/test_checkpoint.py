@@ -909,6 +909,10 @@ def test_fsdp_over_tensor_parallelism_restores_rows_that_do_not_divide(tmp_path)
     resized = _ranks(4, "load-odd", tmp_path, RESHARD)
     assert [(ld["step"], ld["full"]) for ld in resized] == [(7, saved[0]["full"])] * 4
     assert [len(ld["gathered"]) for ld in resized] == [1] * 4, "[ok, CRC, fits] alone"
+    (tmp_path / "plain").mkdir()  # and the other way: each TP rank's rows are cut right
+    saved = _ranks(4, "save-odd", tmp_path / "plain", RESHARD)
+    resized = _ranks(6, "load-tp-odd", tmp_path / "plain", RESHARD)
+    assert [(ld["step"], ld["full"]) for ld in resized] == [(7, saved[0]["full"])] * 6
 
 
 def test_the_order_a_meshs_dimensions_cut_in_is_read_from_the_placements():
