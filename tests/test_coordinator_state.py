@@ -457,23 +457,10 @@ def test_an_agent_hears_an_ack_well_within_its_liveness_timeout(nodes, interval,
     of a job of ``nodes`` with ``--heartbeat-interval`` ``interval``, no gap between acks
     reaches the liveness timeout. Beats just under half the timeout apart are each acked
     (acking every other left 4.8 s of a 5 s timeout without a word)."""
-    from launcher.membership import beat_interval, liveness_timeout
-
-    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
-    _running(coordinator)
-    state = coordinator._state
-    state.max_nodes = nodes
-    beat, liveness = beat_interval(interval, nodes), liveness_timeout(state.node_timeout, nodes)
-    t, acked = 10.0, []
-    while t < 10.0 + 4 * liveness:
-        before = len(socket.sent)
-        coordinator._handle(b"b", Envelope(0, CONTROL["heartbeat"](
-            node_id="b", phase="running", ranks=(), electorate_epoch=-1)), t)
-        acked += [t for _, m in socket.sent[before:] if m.body.TYPE == "heartbeat_ack"]
-        t += beat
+    acked, beat, liveness = _acked_beats(nodes, interval, first=10.0, livenesses=4)
     gaps = [b - a for a, b in zip(acked, acked[1:], strict=False)]
     assert len(acked) >= 4 and max(gaps) <= 0.7 * liveness, (beat, liveness, gaps)
-    assert (len(acked) >= round((t - 10.0) / beat)) == every_beat, (len(acked), beat, gaps)
+    assert (len(acked) >= round(4 * liveness / beat)) == every_beat, (len(acked), beat, gaps)
 
 
 @pytest.mark.parametrize("nodes", [2, 16384])
@@ -481,23 +468,34 @@ def test_the_beat_that_follows_an_assign_is_not_acked(nodes):
     """An assign is word from the coordinator, as an ack is: the node's first beat after it
     needs none (a 16,384-node round was followed by 16,384 acks), and the beats after are
     acked as always, well within the liveness timeout of the assign."""
+    _, beat, _ = _acked_beats(nodes, 0.5, first=0.0, livenesses=0)
+    acked, beat, liveness = _acked_beats(nodes, 0.5, first=1.1 + beat, livenesses=3)
+    assert acked and acked[0] > 1.1 + beat, "the first beat after the assign (at 1.1)"
+    heard = [1.1, *acked]
+    assert max(b - a for a, b in zip(heard, heard[1:], strict=False)) <= 0.75 * liveness, \
+        (beat, acked)
+
+
+def _acked_beats(nodes: int, interval: float, first: float,
+                 livenesses: int) -> tuple[list[float], float, float]:
+    """A running round of two (assigned at 1.1) whose node b beats from ``first`` for that
+    many liveness timeouts at the pace of a job of ``nodes`` with ``--heartbeat-interval``
+    ``interval``: when it was acked, the beat and the liveness timeout."""
     from launcher.membership import beat_interval, liveness_timeout
 
-    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})  # assigned at 1.1
+    coordinator, socket = _two_nodes_joined({"a": (), "b": ()})
     _running(coordinator)
     state = coordinator._state
     state.max_nodes = nodes
-    beat, liveness = beat_interval(0.5, nodes), liveness_timeout(state.node_timeout, nodes)
-    t, acked = 1.1 + beat, []
-    while t < 1.1 + 3 * liveness:
+    beat, liveness = beat_interval(interval, nodes), liveness_timeout(state.node_timeout, nodes)
+    t, acked = first, []
+    while t < first + livenesses * liveness:
         before = len(socket.sent)
         coordinator._handle(b"b", Envelope(1, CONTROL["heartbeat"](
             node_id="b", phase="running", ranks=(), electorate_epoch=-1)), t)
         acked += [t for _, m in socket.sent[before:] if m.body.TYPE == "heartbeat_ack"]
         t += beat
-    assert acked and acked[0] > 1.1 + beat, "the first beat after the assign"
-    heard = [1.1, *acked]
-    assert max(b - a for a, b in zip(heard, heard[1:], strict=False)) <= 0.75 * liveness, (beat, acked)
+    return acked, beat, liveness
 
 
 def test_a_large_job_heartbeats_less_often_and_waits_three_of_its_beats():
