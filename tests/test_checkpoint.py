@@ -1110,6 +1110,42 @@ def test_a_byte_range_is_read_and_verified_in_its_blocks_only(tmp_path):
         shards.read(storage, 3, 0)
 
 
+def test_committed_steps_none_of_which_can_be_restored_are_an_error_not_a_fresh_start(tmp_path):
+    """Every committed step damaged (or of a layout that cannot be resharded): load_latest
+    says so instead of returning 0, which would train from scratch over them and, as new
+    steps are kept, delete them. One good step left is restored, as ever."""
+    from ftlaunch_contract import shards
+
+    for where in ("shm", "shm-after"):
+        (tmp_path / where).mkdir()
+    ckpt = AsyncCheckpointer(tmp_path / "ck", staging_dir=str(tmp_path / "shm"))
+    for step in (1, 2):
+        ckpt.save(step, state={"w": torch.full((1000,), float(step))})
+        ckpt.wait()
+    ckpt.close()
+
+    def damage(step):
+        path = tmp_path / "ck" / shards.data_name(step, 0)
+        data = bytearray(path.read_bytes())
+        data[7] ^= 1
+        path.write_bytes(bytes(data))
+
+    def restore():  # a restarted node's: nothing of ours in memory
+        state = {"w": torch.zeros(1000)}
+        again = AsyncCheckpointer(tmp_path / "ck", staging_dir=str(tmp_path / "shm-after"))
+        try:
+            return again.load_latest(state=state), state["w"][0].item()
+        finally:
+            again.close()
+
+    damage(2)
+    assert restore() == (1, 1.0), "the newest damaged: the one before"
+    damage(1)
+    with pytest.raises(CheckpointError, match=r"committed steps \[1, 2\] in .* exist but none "
+                                              r"could be restored \(.*checksum"):
+        restore()
+
+
 def test_staging_is_reserved_before_the_first_save(tmp_path):
     """After load_latest (nothing to restore) both staging slots are sized for the state in
     the background, so the first save finds its memory mapped and only copies."""

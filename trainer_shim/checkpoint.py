@@ -361,6 +361,8 @@ class AsyncCheckpointer:
         self._finish_copy()  # it changes the state's tensors
         group = _group(self.world_size)
         worlds = self._committed_worlds(group)  # steps of other world sizes are resharded
+        durable = sorted(worlds)  # none of them readable: an error, not a start from step 0
+        failed = ""
         memory = self._memory()
         staged = {step: slot for step, slot in self.staged_steps().items()
                   if memory.get((self.world_size, self.rank, step), (None,))[0]
@@ -374,6 +376,11 @@ class AsyncCheckpointer:
         while True:
             step = _agree(candidates) if group else max(candidates, default=None)
             if step is None:
+                if durable:  # all ranks alike: they tried the same steps, and agreed on each
+                    raise CheckpointError(
+                        f"committed steps {durable} in {self.uri} exist but none could be "
+                        f"restored ({failed or 'see the warnings above'}): not training from "
+                        "step 0 over them; repair or move them, or checkpoint elsewhere")
                 self._reserve_quietly(state)
                 return 0
             same = step in staged or step in own
@@ -392,7 +399,7 @@ class AsyncCheckpointer:
                                        currents := {k: _current(v) for k, v in state.items()})
             except CheckpointError as e:
                 log.warning("%s; falling back to the previous step", e)
-                loaded = None
+                loaded, failed = None, failed or str(e)
             if group and not _all(loaded is not None):
                 loaded = None  # some rank could not load it: nobody does
             if group and loaded is not None and saved_world == self.world_size:
