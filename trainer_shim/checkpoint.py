@@ -1268,8 +1268,8 @@ def _encode(value: Any, tensors: list[torch.Tensor], dtensor: Any) -> Any:
             encoded = {"__t__": len(tensors) - 1, "shard": True,
                        "box": [list(box.offset), list(box.shape)]}
             if layout is not None:
-                encoded["layout"] = [list(layout.shape), list(layout.mesh),
-                                     list(layout.splits)] + ([list(layout.order)] if layout.order else [])
+                encoded["layout"] = [list(layout.shape), list(layout.mesh), list(layout.splits),
+                                     *([list(layout.order)] if layout.order else [])]
             return encoded
         tensors.append(value)
         return {"__t__": len(tensors) - 1}
