@@ -79,6 +79,34 @@ def test_kill9_of_a_rank_recovers_and_resumes_from_checkpoint(tmp_path, launch):
     assert result["weights_sha256"] == reference["weights_sha256"]
 
 
+def test_a_job_whose_committed_steps_are_all_damaged_fails_saying_so(tmp_path, launch):
+    """Every committed step's shards fail their checksums: the job ends with exit 1 and
+    the steps named, instead of training from step 0 over them (and pruning them)."""
+    import torch
+
+    from ftlaunch_contract import shards
+    from trainer_shim.checkpoint import AsyncCheckpointer
+
+    ckpt = tmp_path / "ckpt_damaged"
+    savers = [AsyncCheckpointer(ckpt, rank=r, world_size=2) for r in (0, 1)]
+    for step in (5, 10):
+        for saver in savers:
+            saver.save(step, state={"x": torch.ones(64)})
+            saver.wait()
+    for saver in savers:
+        saver.close()
+    for data in (ckpt / shards.data_name(step, r) for step in (5, 10) for r in (0, 1)):
+        damaged = bytearray(data.read_bytes())
+        damaged[-1] ^= 1
+        data.write_bytes(bytes(damaged))
+    run, _ = _train(launch, tmp_path, "damaged", "--max-restarts", "1", extra=["--shim",
+                                                                             "--async-ckpt"])
+    assert run.finish() == 1, run.output
+    assert re.search(r"job failed: .*CheckpointError: committed steps \[5, 10\] in \S+ "
+                     r"exist but none could be restored", run.output), run.output
+    assert "step 1 loss" not in run.output, "it trained from step 0"
+
+
 @pytest.mark.parametrize("kind", ["exception", "segv", "exit"])
 def test_failed_rank_is_restarted(tmp_path, launch, kind):
     fault = {"TRAIN_FAULT_RANK": "0", "TRAIN_FAULT_STEP": "7", "TRAIN_FAULT_KIND": kind}
