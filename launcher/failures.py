@@ -14,7 +14,7 @@ class RankFailure:
     rank: int
     local_rank: int
     pid: int
-    exit_code: int | None  # None when killed by a signal
+    exit_code: int | None  # None when killed by a signal, or alive (it raised and parked)
     signal: str  # "" unless killed by a signal
     error_file: str
     time: float
@@ -25,6 +25,8 @@ class RankFailure:
     def how(self) -> str:
         if self.signal:
             return f"was killed by {self.signal}"
+        if self.exit_code is None:  # trainer_shim: it raised and waits, parked, to re-enter
+            return "left its training function"
         return f"exited with code {self.exit_code}"
 
     @property

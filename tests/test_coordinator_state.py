@@ -553,7 +553,7 @@ def _recover_causes(socket) -> list[str]:
     return sorted({m.body.cause for _, m in socket.sent if m.body.TYPE == "recover"})
 
 
-PEER_ERROR = "exited with code None: raised RuntimeError: [gloo/transport/tcp/pair.cc:537] " \
+PEER_ERROR = "left its training function: raised RuntimeError: [gloo/transport/tcp/pair.cc:537] " \
              "Read error [127.0.0.1]:21169: Connection reset by peer"
 
 

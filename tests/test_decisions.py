@@ -245,6 +245,16 @@ def test_failure_from_exit_code_and_torchrun_error_file(tmp_path):
     ]
 
 
+def test_a_rank_that_raised_and_parked_left_its_training_function():
+    """trainer_shim's in-process restart: the rank raised and lives on, parked; it did not
+    exit (no "exited with code None")."""
+    f = failures.RankFailure(rank=0, local_rank=0, pid=7, exit_code=None, signal="",
+                             error_file="", time=0.0, message="raised ValueError: bad batch")
+    assert f.cause == "left its training function: raised ValueError: bad batch"
+    assert failures.summary(f).splitlines()[0] == \
+        "root cause: rank 0 (local rank 0, pid 7) left its training function"
+
+
 def test_failure_from_signal_without_error_file(tmp_path):
     missing = str(tmp_path / "none.json")
     before = time.time()
