@@ -8,6 +8,7 @@ import errno
 import mmap
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -775,7 +776,11 @@ RESHARD = textwrap.dedent("""
         return gather(ints)
     collective.all_gather_ints = gather_counted
     if phase == "load":
-        step = ckpt.load_latest(train=ft.DistributedState(model, opt))
+        try:
+            step = ckpt.load_latest(train=ft.DistributedState(model, opt))
+        except ft.CheckpointError as e:  # for the test to read
+            print(json.dumps({"error": str(e)}))
+            sys.exit(0)
     full = {}
     for part, states in zip(("model", "optim"), dcp.get_state_dict(model, opt)):
         flat = states if part == "model" else {
@@ -901,7 +906,11 @@ def test_fsdp_over_tensor_parallelism_restores_rows_that_do_not_divide(tmp_path)
     are cut in 3 (3, 3, 1 and 2, 2, 2). Torch's offsets for such a strided shard are not
     where its rows are (it says (2, 0) holds rows 6-7; it holds row 6, and (2, 1) rows
     11-12): saved where they are, the state restores bit for bit on its own 6 ranks and on 4
-    of plain FSDP, every saved part found from the saved layouts (one gather)."""
+    of plain FSDP, every saved part found from the saved layouts (one gather). A saved box
+    that is not its tensor's shape (torch's for (2, 0), as the shim saved them before
+    2026-12-07) is refused on 4 ranks, saying so, even where the boxes tile the rows (as
+    torch's do for 7 rows on 3 x 2): the shim used to read past such a part's end, into the
+    next tensor's bytes, and restore wrong weights without a word."""
     saved = _ranks(6, "save-tp-odd", tmp_path, RESHARD)
     assert [s["full"] for s in saved[1:]] == [saved[0]["full"]] * 5
     again = _ranks(6, "load-tp-odd", tmp_path, RESHARD)
@@ -909,10 +918,40 @@ def test_fsdp_over_tensor_parallelism_restores_rows_that_do_not_divide(tmp_path)
     resized = _ranks(4, "load-odd", tmp_path, RESHARD)
     assert [(ld["step"], ld["full"]) for ld in resized] == [(7, saved[0]["full"])] * 4
     assert [len(ld["gathered"]) for ld in resized] == [1] * 4, "[ok, CRC, fits] alone"
+    doctored = tmp_path / "doctored"  # no layouts; rank 4's box torch's (rows 6-7), rank 1's
+    shutil.copytree(tmp_path / "ckpt", doctored / "ckpt")  # row 8: the boxes tile the 13 rows
+    _without_layouts(doctored / "ckpt", {4: (6, 2), 1: (8, 1)})
+    refused = _ranks(4, "load-odd", doctored, RESHARD)
+    assert all("exist but none could be restored" in ld["error"] for ld in refused), refused
+    assert any(re.search(r"saved rank 4's part of a sharded tensor holds \[1(, 8)?\] where "
+                         r"its saved position says \[2(, 8)?\]", ld["error"])
+               for ld in refused), refused
     (tmp_path / "plain").mkdir()  # and the other way: each TP rank's rows are cut right
     saved = _ranks(4, "save-odd", tmp_path / "plain", RESHARD)
     resized = _ranks(6, "load-tp-odd", tmp_path / "plain", RESHARD)
     assert [(ld["step"], ld["full"]) for ld in resized] == [(7, saved[0]["full"])] * 6
+
+
+def _without_layouts(root, rows):
+    """Rewrite 3 x 2 ranks' metas of 13-row FSDP2-over-TP shards without their layouts (a
+    resized restore then reads each saved part where its box says) and each box of the ranks
+    in ``rows`` {rank: (first row, rows)} moved along the first dimension."""
+    import msgpack
+
+    def rewrite(value, rank):
+        if isinstance(value, dict) and len(value.get("layout", ())) == 4:  # a strided shard
+            del value["layout"]
+            if rank in rows:
+                value["box"][0][0], value["box"][1][0] = rows[rank]
+        for inner in value.values() if isinstance(value, dict) else \
+                value if isinstance(value, list) else ():
+            rewrite(inner, rank)
+
+    for rank in range(6):
+        meta = root / shards.meta_name(7, rank)
+        fields = msgpack.unpackb(meta.read_bytes(), raw=False, strict_map_key=False)
+        rewrite(fields["tree"], rank)
+        meta.write_bytes(msgpack.packb(fields))
 
 
 def test_the_order_a_meshs_dimensions_cut_in_is_read_from_the_placements():

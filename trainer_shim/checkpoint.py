@@ -551,7 +551,16 @@ class AsyncCheckpointer:
                 if (meta.get("world_size"), meta.get("history"), _skeleton(meta["tree"])) != save:
                     raise CheckpointError(f"step {step}: its shards come from different saves "
                                           "or states (cannot reshard them)")
-                boxes_saved = [shard.box for shard in _shards_in(_bare(meta))]
+                saved_shards = _shards_in(_bare(meta))
+                for shard in saved_shards:
+                    if shard.box is not None and shard.box.shape != shard.local:
+                        raise CheckpointError(
+                            f"step {step}: saved rank {r}'s part of a sharded tensor holds "
+                            f"{list(shard.local)} where its saved position says "
+                            f"{list(shard.box.shape)} (saved wrong, as FSDP2 over tensor "
+                            "parallelism was before 2026-12-07 where the mesh did not divide a dimension): "
+                            f"restore it on the {saved_world} ranks that saved it")
+                boxes_saved = [shard.box for shard in saved_shards]
                 fits = fits and all(box == reshard.box_of(layout, r) for box, layout
                                     in zip(boxes_saved, layouts, strict=True) if layout)
                 boxes_read += [r, *_encoded_boxes(boxes_saved)]
@@ -813,8 +822,10 @@ def _map_shards(value: Any, fn: Any) -> Any:
 
 
 def _bare(meta: dict[str, Any]) -> Any:
-    """A saved rank's tree with no tensor read (its shards' boxes and layouts only)."""
-    return _decode(meta["tree"], [None] * len(meta["tensors"]))
+    """A saved rank's tree with no tensor read: its shards' boxes and layouts, each shard's
+    ``local`` the shape its saved tensor has (a resharded restore reads a part's rows by
+    its box: a box that is not its tensor's shape would read another tensor's bytes)."""
+    return _decode(meta["tree"], [tuple(entry["shape"]) for entry in meta["tensors"]])
 
 
 def _shards_in(value: Any) -> list[_Shard]:
