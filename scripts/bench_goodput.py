@@ -1,4 +1,5 @@
-"""Goodput under a fault a minute: ftlaunch, torchrun and NVRx's ft_launcher, same script.
+"""Goodput under a fault a minute: ftlaunch, torchrun, NVRx's ft_launcher and DLRover's
+dlrover-run, same script.
 
 Each run trains the unmodified scripts/train_gpt.py (DDP, gloo; checkpoint every
 --ckpt-every steps) for a fixed wall time (--minutes) and SIGKILLs a random rank (seeded
@@ -71,12 +72,15 @@ SCRIPTS = {"train_gpt": REPO / "scripts" / "train_gpt.py",
 START = re.compile(r"start rank (\d+) world \d+ pid (\d+) resume_from (\d+)")
 STEP = re.compile(r"step (\d+) loss \S+ rank (\d+)")
 CAUSES = ("start-up", "re-computed", "restart", "ckpt stalls", "tail")
-NVRX_DEFAULT = "/tmp/nvrx-venv/bin/ft_launcher"
+OTHERS = {"nvrx": "/tmp/nvrx-venv/bin/ft_launcher",
+          "dlrover": "/tmp/dlrover-venv/bin/dlrover-run"}
+"""The launchers in venvs of their own (scripts/install_competitors.sh puts them there)."""
 WORKAROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def launcher_argv(name, nproc, run_dir, max_restarts, nvrx):
-    """(argv up to the script, extra env, skip reason or None) of one launcher."""
+def launcher_argv(name, nproc, run_dir, max_restarts, others):
+    """(argv up to the script, extra env, skip reason or None) of one launcher; ``others``:
+    name -> the executable of NVRx's and DLRover's."""
     n = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
     if name == "ftlaunch":
         return [str(BIN / "python"), "-m", "launcher", *n, "--restart-backoff", "0",
@@ -88,11 +92,33 @@ def launcher_argv(name, nproc, run_dir, max_restarts, nvrx):
         return [str(BIN / "torchrun"), *n], dict(WORKAROUND), None
     if name == "torchrun-default":
         return [str(BIN / "torchrun"), *n], {}, None
-    if name == "nvrx":
-        if not Path(nvrx).exists():
-            return None, None, f"{nvrx} not found (NVRx is not installed: see --nvrx)"
-        return [nvrx, *n, "--ignore-missing-fault-tol-cfg"], {}, None
+    if name in OTHERS:
+        if not Path(others[name]).exists():
+            return None, None, (f"{others[name]} not found ({name} is not installed: "
+                                f"scripts/install_competitors.sh, or --{name})")
+        if name == "dlrover":  # (its defaults; see dlrover_master)
+            return dlrover_master(others[name]) + [others[name], *n], {
+                "DLROVER_MASTER_ADDR": f"127.0.0.1:{free_port()}"}, None
+        return [others[name], *n, "--ignore-missing-fault-tol-cfg"], {}, None  # else defaults
     raise ValueError(name)
+
+
+def dlrover_master(dlrover_run):
+    """The argv prefix that starts DLRover's local master beside dlrover-run, as its
+    --standalone would: 0.6.1 cannot under torch 2.13 (torch's SubprocessHandler gained an
+    argument: TypeError). dlrover-run finds it at $DLROVER_MASTER_ADDR (it waits up to 60 s)."""
+    master = (f'"{Path(dlrover_run).parent / "python"}" -u -m dlrover.python.master.main '
+              '--port "${DLROVER_MASTER_ADDR##*:}" --node_num 1 --job_name goodput '
+              "--platform local")
+    return ["bash", "-c", f'{master} & exec "$0" "$@"']
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def script_args(script, variant, run_dir, ckpt_every, step_time, persist_every=1,
@@ -261,7 +287,7 @@ def ftlaunch_report(log_dir):
 
 
 def goodput_run(launcher, variant, every, args, run_dir, rng):
-    argv, env, skip = launcher_argv(launcher, args.nproc, run_dir, 1000, args.nvrx)
+    argv, env, skip = launcher_argv(launcher, args.nproc, run_dir, 1000, others(args))
     if skip:
         return {"launcher": launcher, "variant": variant, "every_s": every, "skipped": skip}
     ckpt_every = args.shim_ckpt_every if variant == "shim" else args.ckpt_every
@@ -415,7 +441,7 @@ def plot(runs, path):
 def rate_run(launcher, script, kill_rank, kill_step, args, run_dir):
     """One kill -9 of ``kill_rank`` at its first step line >= ``kill_step``: the outcome."""
     argv, env, skip = launcher_argv(launcher, args.nproc, run_dir, args.rate_max_restarts,
-                                    args.nvrx)
+                                    others(args))
     r = {"launcher": launcher, "script": script, "kill_rank": kill_rank,
          "kill_step": kill_step}
     if skip:
@@ -488,6 +514,10 @@ def recovery_rate(args, work):
 # ---------------------------------------------------------------- main
 
 
+def others(args):
+    return {name: getattr(args, name) for name in OTHERS}
+
+
 def compile_ours():
     """Byte-compile ftlaunch's packages, as ``pip install`` does: torchrun's and NVRx's
     modules are compiled in site-packages, and with PYTHONDONTWRITEBYTECODE (set on these
@@ -500,8 +530,9 @@ def compile_ours():
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--launchers", default="ftlaunch,torchrun,nvrx",
-                   help="comma list of ftlaunch, torchrun (with its store workaround), nvrx")
+    p.add_argument("--launchers", default="ftlaunch,torchrun,nvrx,dlrover",
+                   help="comma list of ftlaunch, torchrun (with its store workaround), nvrx, "
+                   "dlrover")
     p.add_argument("--variants", default="plain,shim",
                    help="plain (unmodified script), shim (--shim --async-ckpt; ftlaunch only)")
     p.add_argument("--every", default="60,30", help="comma list: seconds between kills")
@@ -519,10 +550,12 @@ def main():
     p.add_argument("--step-time", type=float, default=0.1,
                    help="the script's extra sleep per step (a stand-in for device time)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--nvrx", default=NVRX_DEFAULT, help="NVRx's ft_launcher (its own venv)")
+    for name, path in OTHERS.items():
+        p.add_argument(f"--{name}", default=path, help=f"{name}'s launcher (its own venv)")
     p.add_argument("--recovery-rate", action="store_true",
                    help="measure torchrun's recovery rate instead of goodput")
-    p.add_argument("--rate-launchers", default="torchrun-default,torchrun,ftlaunch-default,nvrx")
+    p.add_argument("--rate-launchers",
+                   default="torchrun-default,torchrun,ftlaunch-default,nvrx,dlrover")
     p.add_argument("--rate-scripts", default="train_gpt,ddp_minimal")
     p.add_argument("--kill-points", default="1:3,1:30,0:15",
                    help="comma list of RANK:STEP")
