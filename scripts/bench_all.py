@@ -79,7 +79,7 @@ BENCHES = (
           ("scripts/bench_coordinator.py", "--nodes", "1024,4096,8192,16384"),
           ("scripts/bench_coordinator.py", "--nodes", "1024", "--window", "5")),
     Bench("goodput", "productive step time / wall under a kill -9 every 60 s and 30 s: "
-          "ftlaunch vs torchrun vs NVRx ft_launcher",
+          "ftlaunch vs torchrun vs NVRx ft_launcher vs DLRover dlrover-run",
           ("scripts/bench_goodput.py", "--minutes", "4", "--every", "60,30"),
           ("scripts/bench_goodput.py", "--minutes", "1", "--every", "30", "--variants", "plain",
            "--launchers", "ftlaunch,torchrun")),
@@ -90,11 +90,11 @@ BENCHES = (
            "2", "--nproc", "1")),
 )
 
-ANCHORS = """| figure | torchrun | NVRx ft_launcher | where measured |
-|---|---|---|---|
-| goodput at a kill -9 a minute (DDP, gloo) | 0.909-0.922 | see goodput above | issue #17, this machine |
-| recovery after kill -9 of one rank | 4.4 s (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) | - | BENCHMARKS.md "Recovery after kill -9" |
-| rendezvous of 64 agents | torch c10d, see rendezvous above | - | the same run |"""
+ANCHORS = """| figure | torchrun | NVRx ft_launcher | DLRover dlrover-run | where measured |
+|---|---|---|---|---|
+| goodput at a kill -9 a minute (DDP, gloo) | 0.909-0.922 | see goodput above | see goodput above | issue #17, this machine |
+| recovery after kill -9 of one rank | 4.4 s (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) | - | - | BENCHMARKS.md "Recovery after kill -9" |
+| rendezvous of 64 agents | torch c10d, see rendezvous above | - | - | the same run |"""
 
 
 def machine() -> str:
