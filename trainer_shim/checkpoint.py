@@ -558,8 +558,8 @@ class AsyncCheckpointer:
                             f"step {step}: saved rank {r}'s part of a sharded tensor holds "
                             f"{list(shard.local)} where its saved position says "
                             f"{list(shard.box.shape)} (saved wrong, as FSDP2 over tensor "
-                            "parallelism was before 2026-12-07 where the mesh did not divide a dimension): "
-                            f"restore it on the {saved_world} ranks that saved it")
+                            "parallelism was before 2026-12-07 where the mesh did not divide "
+                            f"a dimension): restore it on the {saved_world} ranks that saved it")
                 boxes_saved = [shard.box for shard in saved_shards]
                 fits = fits and all(box == reshard.box_of(layout, r) for box, layout
                                     in zip(boxes_saved, layouts, strict=True) if layout)
