@@ -65,6 +65,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench_rendezvous import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SCRIPTS = {"train_gpt": REPO / "scripts" / "train_gpt.py",
@@ -111,14 +113,6 @@ def dlrover_master(dlrover_run):
               '--port "${DLROVER_MASTER_ADDR##*:}" --node_num 1 --job_name goodput '
               "--platform local")
     return ["bash", "-c", f'{master} & exec "$0" "$@"']
-
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def script_args(script, variant, run_dir, ckpt_every, step_time, persist_every=1,

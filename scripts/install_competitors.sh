@@ -14,10 +14,11 @@ install() {  # venv, packages...
   "$venv/bin/pip" install -q "$@" numpy
   echo "installed in $venv: $*"
 }
-if [ "${ONLY:-nvrx}" = nvrx ]; then
+wanted() { [ -z "${ONLY:-}" ] || [ "$ONLY" = "$1" ]; }
+if wanted nvrx; then
   install /tmp/nvrx-venv "nvidia-resiliency-ext==0.4.1"
 fi
-if [ "${ONLY:-dlrover}" = dlrover ]; then
-  # dlrover-run imports grpc (its k8s extra) even for --standalone
-  install /tmp/dlrover-venv "dlrover[k8s,torch]==0.6.1"
+if wanted dlrover; then  # dlrover-run imports grpc (its k8s extra) even for --standalone;
+  # its master needs protobuf, which no extra of 0.6.1 installs
+  install /tmp/dlrover-venv "dlrover[k8s,torch]==0.6.1" protobuf
 fi
