@@ -71,7 +71,8 @@ def nodes(cluster, launcher_env, tmp_path):
     env = {**launcher_env, "GLOO_SOCKET_IFNAME": "eth0",
            "FTLAUNCH_SECRET": secrets.token_hex(16)}
 
-    def start(k: int, *, steps: int, nnodes: str = "2:3") -> NodeLaunch:
+    def start(k: int, *, steps: int, nnodes: str = "2:3", held: bool = False) -> NodeLaunch:
+        """``held``: the ranks hold before their last step until ``_faults_over``."""
         node = cluster.node(k)
         # last_call is long on purpose: rounds close at once with MAX=3 nodes, or once the
         # survivors are back, so it only matters if a node is slow to start (no scale-up).
@@ -83,7 +84,8 @@ def nodes(cluster, launcher_env, tmp_path):
                 TRAIN, "--steps", str(steps), "--ckpt-every", "10", "--step-time", "0.03",
                 "--log-every", "5", "--ckpt-dir", str(tmp_path / "ckpt"),
                 "--out", str(tmp_path / "out.json")]
-        run = NodeLaunch(node, args, ROOT, env)
+        chaos = {"TRAIN_CHAOS_DIR": str(_chaos_dir(tmp_path))} if held else {}
+        run = NodeLaunch(node, args, ROOT, {**env, **chaos})
         started.append(run)
         if k == 1:  # the agent that can bind the endpoint hosts the coordinator
             _wait_listening(run, PORT)
@@ -93,6 +95,20 @@ def nodes(cluster, launcher_env, tmp_path):
     kill_unfinished(started)
     for run in started:  # what each machine printed, for a post-mortem
         (tmp_path / f"{run.node.hostname}.log").write_text(run.drain() + "\n")
+
+
+def _chaos_dir(tmp_path):
+    """Where scripts/chaos.py's faults go to train_gpt.py. Only its file ``unpaced`` is used
+    here: until ``_faults_over`` writes it, held ranks wait before their last step, so a
+    fault the test still watches finds the job running however fast it trained, with no
+    step count guessed as a time budget."""
+    path = tmp_path / "chaos"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def _faults_over(tmp_path) -> None:
+    (_chaos_dir(tmp_path) / "unpaced").touch()
 
 
 def _wait_listening(run: NodeLaunch, port: int, timeout: float = 30) -> None:
@@ -108,9 +124,9 @@ def _wait_listening(run: NodeLaunch, port: int, timeout: float = 30) -> None:
 
 
 @contextlib.contextmanager
-def _three_nodes(nodes, steps: int):
+def _three_nodes(nodes, steps: int, held: bool = False):
     """Start nodes 1 (coordinator), 2 and 3."""
-    yield [nodes(k, steps=steps) for k in (1, 2, 3)]
+    yield [nodes(k, steps=steps, held=held) for k in (1, 2, 3)]
 
 
 def _events(tmp_path, run: NodeLaunch) -> list[dict]:
@@ -181,8 +197,8 @@ def test_partitioned_node_is_dropped_and_survivors_finish(nodes, cluster, launch
 
 
 def _elastic_pair(nodes, steps: int) -> tuple[NodeLaunch, NodeLaunch]:
-    """Nodes 1 and 2 of a --nnodes 1:2 job, both training."""
-    first, second = (nodes(k, steps=steps, nnodes="1:2") for k in (1, 2))
+    """Nodes 1 and 2 of a --nnodes 1:2 job, both training, held before their last step."""
+    first, second = (nodes(k, steps=steps, nnodes="1:2", held=True) for k in (1, 2))
     for run in (first, second):
         run.wait_for(r"\[rank\d\]: step 15 ", timeout=90)
     return first, second
@@ -195,7 +211,7 @@ def test_a_two_machine_job_cut_in_two_trains_on_one_side_only(nodes, cluster, tm
     checkpoints of the same steps into the same directory. The coordinator's side (half the
     round, and the side that ran it) goes on; the successor's holds its round until the
     partition heals, then stands down and joins the job, which grows back to two."""
-    steps = 300
+    steps = 40
     first, second = _elastic_pair(nodes, steps)
     cluster.node(2).partition()
     try:
@@ -206,6 +222,7 @@ def test_a_two_machine_job_cut_in_two_trains_on_one_side_only(nodes, cluster, tm
     finally:
         cluster.node(2).heal()
     second.wait_for(r"\[rank1\]: start rank 1 world 2 ", timeout=60)
+    _faults_over(tmp_path)
     assert first.finish(timeout=90) == 0, first.output
     assert second.finish(timeout=30) == 0, second.output
     assert not re.search(r"start rank \d world 1 ", second.output), second.output
@@ -218,9 +235,9 @@ def test_a_spare_outvotes_the_coordinators_machine_cut_off(nodes, cluster, tmp_p
     the spare are two of the round's three voters and go on as a world of two; the cut-off
     coordinator, MIN on its own, holds its round (without the spare's vote it would win the
     tie and train alone, the others held). Healed, it joins the job as a spare."""
-    steps = 300
+    steps = 40
     first, second = _elastic_pair(nodes, steps)
-    third = nodes(3, steps=steps, nnodes="1:2")
+    third = nodes(3, steps=steps, nnodes="1:2", held=True)
     third.wait_for(r"waiting as a spare", timeout=60)
     # A spare votes on the rounds after one that closed while it waited: a rank killed on
     # node 2, and the round that restarts it has node 3 idle.
@@ -235,6 +252,7 @@ def test_a_spare_outvotes_the_coordinators_machine_cut_off(nodes, cluster, tmp_p
     finally:
         cluster.node(1).heal()
     first.wait_for(r"waiting as a spare", timeout=60)
+    _faults_over(tmp_path)
     for run in (second, third, first):
         assert run.finish(timeout=90) == 0, run.output
     cut_at = first.output.index("rendezvous round held")
@@ -262,10 +280,10 @@ def test_paused_node_rejoins_or_leaves_cleanly(nodes, tmp_path):
     """A machine frozen past --node-timeout (VM pause, swap storm, the GIL stall above) is
     dropped and the others carry on; once it thaws it must learn that it was dropped and
     re-join (nnodes 2:3 leaves room) or leave with exit 0, not fail the job later."""
-    # Still training when the coordinator gives up on node2 (NODE_TIMEOUT after the freeze;
-    # at 80 steps a fast machine finished first, and node2 thawed after the job had ended).
-    steps = 200
-    with _three_nodes(nodes, steps=steps) as runs:
+    # Held: still training when node2 thaws (at 80 steps and no hold, a fast machine
+    # finished first, and node2 thawed after the job had ended).
+    steps = 40
+    with _three_nodes(nodes, steps=steps, held=True) as runs:
         first, second, third = runs
         for run in runs:
             run.wait_for(r"\[rank\d\]: step 10 ", timeout=90)
@@ -278,6 +296,7 @@ def test_paused_node_rejoins_or_leaves_cleanly(nodes, tmp_path):
             time.sleep(1.0)
         finally:
             os.kill(second.proc.pid, signal.SIGCONT)
+        _faults_over(tmp_path)
         assert first.finish(timeout=60) == 0, first.output
         assert third.finish(timeout=30) == 0, third.output
         assert _result(tmp_path)["final_step"] == steps
