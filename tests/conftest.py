@@ -134,6 +134,21 @@ def wait_no_tagged(tag: str, timeout: float = 10) -> list[psutil.Process]:
     return tagged_processes(tag)
 
 
+def held_before_last_step(tmp_path: Path) -> dict[str, str]:
+    """Environment under which train_gpt.py's ranks hold before their last step until
+    ``faults_over(tmp_path)``: a fault the test still watches (a heal, a spare taking over)
+    finds the job running however fast it trained, with no step count guessed as a time
+    budget. (scripts/chaos.py's fault directory; only its file ``unpaced`` is used.)"""
+    path = tmp_path / "chaos"
+    path.mkdir(exist_ok=True)
+    return {"TRAIN_CHAOS_DIR": str(path)}
+
+
+def faults_over(tmp_path: Path) -> None:
+    """Held ranks take their last step (and train unpaced from here)."""
+    (Path(held_before_last_step(tmp_path)["TRAIN_CHAOS_DIR"]) / "unpaced").touch()
+
+
 CLUSTER_VARS = ("SLURM_", "JOB_COMPLETION_INDEX", "JOBSET_", "KUBERNETES_SERVICE_",
                 "MASTER_ADDR", "MASTER_PORT", "PET_")
 

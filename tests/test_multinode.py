@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from conftest import SCRIPTS, end_connections_to, needs_ss_kill
+from conftest import SCRIPTS, end_connections_to, faults_over, held_before_last_step, needs_ss_kill
 
 TRAIN = str(SCRIPTS / "train_gpt.py")
 FAST_LIVENESS = ["--node-timeout", "2", "--heartbeat-interval", "0.2"]
@@ -289,9 +289,10 @@ def test_fsdp_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(tmp_path,
     logs = tmp_path / "logs"
     args = [*_train_args(tmp_path, steps=120), "--async-ckpt", "--fsdp", "--persist-every", "1000"]
     extra = [["--log-dir", str(logs / f"node{i}")] for i in range(4)]
-    nodes = [_node(launch, port, "2:3", *args, extra=extra[0])]
+    held = held_before_last_step(tmp_path)  # 120 steps: never all done before the join
+    nodes = [_node(launch, port, "2:3", *args, extra=extra[0], env=held)]
     _wait_listening(port)
-    nodes += [_node(launch, port, "2:3", *args, extra=extra[i]) for i in (1, 2)]
+    nodes += [_node(launch, port, "2:3", *args, extra=extra[i], env=held) for i in (1, 2)]
     everyone = list(nodes)
     with _post_mortem(everyone):
         _wait_in_memory(logs, 10)
@@ -304,7 +305,7 @@ def test_fsdp_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(tmp_path,
         resumed = int(shrunk.group(1))
         assert resumed >= 10 and "storage" not in shrunk.group(2), shrunk.group(0)
         _wait_in_memory(logs, resumed + 10, after=shrunk_at)  # the 2-node world's, then a join
-        nodes.append(_node(launch, port, "2:3", *args, extra=extra[3]))
+        nodes.append(_node(launch, port, "2:3", *args, extra=extra[3], env=held))
         everyone.append(nodes[-1])
         # A node starved past the node timeout while the round that grows the job forms (a
         # loaded host, a VM paused): it is dropped, wakes and comes back in.
@@ -312,6 +313,7 @@ def test_fsdp_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(tmp_path,
         _pause(nodes[1], seconds=3.0)  # > --node-timeout 2
         grown = nodes[-1].wait_for(r"world 3 pid \d+ resume_from (\d+) \((.*), resharded from "
                                    r"2 ranks\)", timeout=90)
+    faults_over(tmp_path)
     # Where the joiner's rank restores from depends on when the pause fell. After the paused
     # node's join: the round grows to 3, the joiner holds nothing, all comes from peers.
     # Before it (the node froze before it heard of the round): the round closes without it
@@ -336,17 +338,19 @@ def test_a_hot_spare_restores_a_lost_nodes_ranks_from_a_peers_memory(tmp_path, l
     takes its ranks, which restore from the copy a peer keeps in memory (no shard read from
     storage); the final weights equal those of a run without the fault. Nothing is persisted
     (as in the shrink test: else a step durable before its copy was whole wins the race)."""
-    args = [*_train_args(tmp_path, steps=60), "--async-ckpt", "--fsdp", "--step-time", "0.05",
+    steps = 30
+    args = [*_train_args(tmp_path, steps=steps), "--async-ckpt", "--fsdp", "--step-time", "0.05",
             "--persist-every", "1000"]
     port = _free_port()
     logs = tmp_path / "logs"
     extra = [["--log-dir", str(logs / f"node{i}")] for i in range(4)]
-    nodes = [_node(launch, port, "2:3", *args, extra=extra[0])]
+    held = held_before_last_step(tmp_path)
+    nodes = [_node(launch, port, "2:3", *args, extra=extra[0], env=held)]
     _wait_listening(port)
-    nodes += [_node(launch, port, "2:3", *args, extra=extra[i]) for i in (1, 2)]
+    nodes += [_node(launch, port, "2:3", *args, extra=extra[i], env=held) for i in (1, 2)]
     ranks = [int(run.wait_for(r"start rank (\d) world 3", timeout=120).group(1))
              for run in nodes]
-    spare = _node(launch, port, "2:3", *args, extra=extra[3])
+    spare = _node(launch, port, "2:3", *args, extra=extra[3], env=held)
     nodes[0].wait_for(r"node \S+ waits as a spare")  # the first node hosts the coordinator
     lost = nodes.pop()  # another one
     with _post_mortem([*nodes, lost, spare]):
@@ -357,15 +361,16 @@ def test_a_hot_spare_restores_a_lost_nodes_ranks_from_a_peers_memory(tmp_path, l
                                r"\((.*)\)", timeout=90)
         assert int(taken.group(1)) >= 10 and taken.group(2).startswith("peer memory (node "), \
             taken.group(0)
+    faults_over(tmp_path)
     for run in (*nodes, spare):
         assert run.finish() == 0, run.output
     faulted = json.loads((tmp_path / "out.json").read_text())
-    assert faulted["restart_count"] == 1 and faulted["final_step"] == 60
+    assert faulted["restart_count"] == 1 and faulted["final_step"] == steps
 
     clean = tmp_path / "clean"
     clean.mkdir()
     reference = launch("--standalone", "--nproc-per-node", "3", "--no-warm-pool",
-                       *_train_args(clean, steps=60), "--async-ckpt", "--fsdp",
+                       *_train_args(clean, steps=steps), "--async-ckpt", "--fsdp",
                        "--step-time", "0")
     assert reference.finish() == 0, reference.output
     assert json.loads((clean / "out.json").read_text())["weights_sha256"] == \

@@ -20,7 +20,16 @@ import threading
 import time
 
 import pytest
-from conftest import ROOT, SCRIPTS, TAG_VAR, Launch, kill_unfinished, wait_no_tagged
+from conftest import (
+    ROOT,
+    SCRIPTS,
+    TAG_VAR,
+    Launch,
+    faults_over,
+    held_before_last_step,
+    kill_unfinished,
+    wait_no_tagged,
+)
 
 _spec = importlib.util.spec_from_file_location("ftlaunch_netns", SCRIPTS / "netns.py")
 netns = importlib.util.module_from_spec(_spec)
@@ -72,7 +81,7 @@ def nodes(cluster, launcher_env, tmp_path):
            "FTLAUNCH_SECRET": secrets.token_hex(16)}
 
     def start(k: int, *, steps: int, nnodes: str = "2:3", held: bool = False) -> NodeLaunch:
-        """``held``: the ranks hold before their last step until ``_faults_over``."""
+        """``held``: the ranks hold before their last step until ``faults_over``."""
         node = cluster.node(k)
         # last_call is long on purpose: rounds close at once with MAX=3 nodes, or once the
         # survivors are back, so it only matters if a node is slow to start (no scale-up).
@@ -84,8 +93,8 @@ def nodes(cluster, launcher_env, tmp_path):
                 TRAIN, "--steps", str(steps), "--ckpt-every", "10", "--step-time", "0.03",
                 "--log-every", "5", "--ckpt-dir", str(tmp_path / "ckpt"),
                 "--out", str(tmp_path / "out.json")]
-        chaos = {"TRAIN_CHAOS_DIR": str(_chaos_dir(tmp_path))} if held else {}
-        run = NodeLaunch(node, args, ROOT, {**env, **chaos})
+        run = NodeLaunch(node, args, ROOT,
+                         {**env, **(held_before_last_step(tmp_path) if held else {})})
         started.append(run)
         if k == 1:  # the agent that can bind the endpoint hosts the coordinator
             _wait_listening(run, PORT)
@@ -95,20 +104,6 @@ def nodes(cluster, launcher_env, tmp_path):
     kill_unfinished(started)
     for run in started:  # what each machine printed, for a post-mortem
         (tmp_path / f"{run.node.hostname}.log").write_text(run.drain() + "\n")
-
-
-def _chaos_dir(tmp_path):
-    """Where scripts/chaos.py's faults go to train_gpt.py. Only its file ``unpaced`` is used
-    here: until ``_faults_over`` writes it, held ranks wait before their last step, so a
-    fault the test still watches finds the job running however fast it trained, with no
-    step count guessed as a time budget."""
-    path = tmp_path / "chaos"
-    path.mkdir(exist_ok=True)
-    return path
-
-
-def _faults_over(tmp_path) -> None:
-    (_chaos_dir(tmp_path) / "unpaced").touch()
 
 
 def _wait_listening(run: NodeLaunch, port: int, timeout: float = 30) -> None:
@@ -222,7 +217,7 @@ def test_a_two_machine_job_cut_in_two_trains_on_one_side_only(nodes, cluster, tm
     finally:
         cluster.node(2).heal()
     second.wait_for(r"\[rank1\]: start rank 1 world 2 ", timeout=60)
-    _faults_over(tmp_path)
+    faults_over(tmp_path)
     assert first.finish(timeout=90) == 0, first.output
     assert second.finish(timeout=30) == 0, second.output
     assert not re.search(r"start rank \d world 1 ", second.output), second.output
@@ -252,7 +247,7 @@ def test_a_spare_outvotes_the_coordinators_machine_cut_off(nodes, cluster, tmp_p
     finally:
         cluster.node(1).heal()
     first.wait_for(r"waiting as a spare", timeout=60)
-    _faults_over(tmp_path)
+    faults_over(tmp_path)
     for run in (second, third, first):
         assert run.finish(timeout=90) == 0, run.output
     cut_at = first.output.index("rendezvous round held")
@@ -296,7 +291,7 @@ def test_paused_node_rejoins_or_leaves_cleanly(nodes, tmp_path):
             time.sleep(1.0)
         finally:
             os.kill(second.proc.pid, signal.SIGCONT)
-        _faults_over(tmp_path)
+        faults_over(tmp_path)
         assert first.finish(timeout=60) == 0, first.output
         assert third.finish(timeout=30) == 0, third.output
         assert _result(tmp_path)["final_step"] == steps
