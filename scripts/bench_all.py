@@ -79,7 +79,7 @@ BENCHES = (
           ("scripts/bench_coordinator.py", "--nodes", "1024,4096,8192,16384"),
           ("scripts/bench_coordinator.py", "--nodes", "1024", "--window", "5")),
     Bench("goodput", "productive step time / wall under a kill -9 every 60 s and 30 s: "
-          "ftlaunch vs torchrun vs NVRx ft_launcher vs DLRover dlrover-run",
+          "ftlaunch vs torchrun vs NVRx ft_launcher vs DLRover dlrover-run vs TorchFT",
           ("scripts/bench_goodput.py", "--minutes", "4", "--every", "60,30"),
           ("scripts/bench_goodput.py", "--minutes", "1", "--every", "30", "--variants", "plain",
            "--launchers", "ftlaunch,torchrun")),

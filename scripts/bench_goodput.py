@@ -1,5 +1,5 @@
 """Goodput under a fault a minute: ftlaunch, torchrun, NVRx's ft_launcher and DLRover's
-dlrover-run, same script.
+dlrover-run, same script; TorchFT with the same training in its API.
 
 Each run trains the unmodified scripts/train_gpt.py (DDP, gloo; checkpoint every
 --ckpt-every steps) for a fixed wall time (--minutes) and SIGKILLs a random rank (seeded
@@ -28,6 +28,12 @@ read line by line (time.monotonic stamps) - rank 0's ``step N`` lines:
     tail           the step in flight when the wall time ended
 
     goodput = productive / wall; "excl. start-up" = productive / (wall - start-up)
+
+TorchFT (``torchft``) cannot run the unmodified script: it runs
+scripts/train_gpt_torchft.py (the same model, batches, optimizer and --step-time through
+TorchFT's Manager, one replica group a rank) under a torchrun a group and a lighthouse, as
+its README does. Its survivors train on while a killed group restarts and heals from them,
+so its goodput counts the samples committed, in fault-free step time (``account_replicas``).
 
 The kill schedule is fixed (every --every s from launch); a kill that falls while the job
 is still recovering is held until every rank is up and rank 0 stepped again. For ftlaunch
@@ -70,12 +76,14 @@ from bench_rendezvous import free_port
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SCRIPTS = {"train_gpt": REPO / "scripts" / "train_gpt.py",
-           "ddp_minimal": REPO / "scripts" / "ddp_minimal.py"}
+           "ddp_minimal": REPO / "scripts" / "ddp_minimal.py",
+           "train_gpt_torchft": REPO / "scripts" / "train_gpt_torchft.py"}
 START = re.compile(r"start rank (\d+) world \d+ pid (\d+) resume_from (\d+)")
-STEP = re.compile(r"step (\d+) loss \S+ rank (\d+)")
-CAUSES = ("start-up", "re-computed", "restart", "ckpt stalls", "tail")
+STEP = re.compile(r"step (\d+) loss \S+ rank (\d+)(?: participants (\d+))?")
+CAUSES = ("start-up", "re-computed", "restart", "ckpt stalls", "fewer replicas", "tail")
 OTHERS = {"nvrx": "/tmp/nvrx-venv/bin/ft_launcher",
-          "dlrover": "/tmp/dlrover-venv/bin/dlrover-run"}
+          "dlrover": "/tmp/dlrover-venv/bin/dlrover-run",
+          "torchft": "/tmp/torchft-venv/bin/torchft_lighthouse"}
 """The launchers in venvs of their own (scripts/install_competitors.sh puts them there)."""
 WORKAROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
@@ -98,6 +106,8 @@ def launcher_argv(name, nproc, run_dir, max_restarts, others):
         if not Path(others[name]).exists():
             return None, None, (f"{others[name]} not found ({name} is not installed: "
                                 f"scripts/install_competitors.sh, or --{name})")
+        if name == "torchft":
+            return torchft_job(others[name], nproc, max_restarts)
         if name == "dlrover":  # (its defaults; see dlrover_master)
             return dlrover_master(others[name]) + [others[name], *n], {
                 "DLROVER_MASTER_ADDR": f"127.0.0.1:{free_port()}"}, None
@@ -115,9 +125,23 @@ def dlrover_master(dlrover_run):
     return ["bash", "-c", f'{master} & exec "$0" "$@"']
 
 
+def torchft_job(lighthouse, nproc, max_restarts):
+    """TorchFT as its README runs it: a lighthouse, and each replica group (here one rank,
+    train_gpt_torchft.py) under a torchrun of its own that restarts it when it dies."""
+    port = free_port()
+    groups = " ".join(f'REPLICA_GROUP_ID={g} "$0" "$@" &' for g in range(nproc))
+    job = (f'"{lighthouse}" --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 '
+           f'--bind "[::]:{port}" & {groups} wait')
+    torchrun = ["--standalone", "--nproc-per-node", "1", "--max-restarts", str(max_restarts)]
+    return ["bash", "-c", job, str(Path(lighthouse).parent / "torchrun"), *torchrun], {
+        "NUM_REPLICA_GROUPS": str(nproc), "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}"}, None
+
+
 def script_args(script, variant, run_dir, ckpt_every, step_time, persist_every=1,
                 overlap=False):
     ckpt = run_dir / "ckpt"
+    if script == "train_gpt_torchft":
+        return [str(SCRIPTS[script]), "--steps", "10000000", "--step-time", str(step_time)]
     if script == "ddp_minimal":
         return [str(SCRIPTS[script]), "--epochs", "100000", "--snapshot", str(run_dir / "snap.pt"),
                 "--step-time", str(step_time)]
@@ -191,6 +215,17 @@ class Job:
 # ---------------------------------------------------------------- goodput from the stamps
 
 
+def on_the_final_path(steps):
+    """For each training (its step number, in time order), whether the final state descends
+    from it: one that a later training of the same or a lower step number follows was lost
+    (a restart from an older state trained it again, or has yet to)."""
+    kept, low = [], float("inf")
+    for step in reversed(steps):
+        kept.append(step < low)
+        low = min(low, step)
+    return kept[::-1]
+
+
 def account(t0, wall, events, ckpt_every):
     """The goodput account of one run from its stamped events.
 
@@ -234,8 +269,7 @@ def account(t0, wall, events, ckpt_every):
     else:
         lost["restart"] += end - down_since
         recoveries.append(None)  # never came back within the wall time
-    last = {step: i for i, (step, *_) in enumerate(trainings)}
-    kept = [i == last[step] for i, (step, *_) in enumerate(trainings)]
+    kept = on_the_final_path([step for step, *_ in trainings])
     lost["re-computed"] += sum(s for (_, s, _, _), k in zip(trainings, kept, strict=True)
                                if not k)
     # checkpoint stalls: the save at step k*ckpt_every lies in the interval of the step after
@@ -260,8 +294,59 @@ def account(t0, wall, events, ckpt_every):
     return {"wall_s": wall, "productive_s": productive, "goodput": productive / wall,
             "goodput_excl_startup": productive / (wall - startup) if wall > startup else None,
             "lost_s": lost, "unaccounted_s": wall - productive - sum(lost.values()),
-            "recoveries_s": recoveries, "steps_final": max(last) if last else 0,
+            "recoveries_s": recoveries, "steps_final": trainings[-1][0] if trainings else 0,
             "step_median_s": typical,
+            "timeline": [(round(t - t0, 3), round(p, 3)) for t, p in timeline]}
+
+
+def account_replicas(t0, wall, events, groups):
+    """The goodput account of a TorchFT run, whose survivors train on while a killed replica
+    group restarts: no attempt to follow, so ``account``'s rank-0 reading does not apply.
+    A step's training is its lines, from whichever groups took part in it; as in
+    ``account``, only those the final state descends from count (``on_the_final_path``: a
+    restart from an older step trains again what was lost). Each counts its share of the global batch
+    (participants / groups) times the run's fault-free step time (the median interval
+    between consecutive steps every group took part in): goodput = the samples kept, in
+    fault-free step time, over the wall time. Lost: start-up (launch -> the first step's
+    begin), re-computed (trainings lost), fewer replicas (the share of the kept steps a
+    missing group did not train), tail (after the last step) and restart (the rest: a
+    survivor stalled until its collective failed, the quorums, a restarted group's healing).
+
+    ``events``: (t, kind, rank, value), a step's value (step number, participants)."""
+    end = t0 + wall
+    trainings, kills = [], []  # (step, t of its first line, participants)
+    for t, kind, _, value in sorted(e for e in events if e[0] <= end):
+        if kind == "kill":
+            kills.append(t)
+        elif kind == "step" and not (trainings and trainings[-1][0] == value[0]):
+            trainings.append((value[0], t, value[1]))  # (the other groups' lines: the same)
+    full = [b[1] - a[1] for a, b in zip(trainings, trainings[1:], strict=False)
+            if b[0] == a[0] + 1 and a[2] == b[2] == groups]
+    step_s = statistics.median(full) if full else 0.0
+    kept = on_the_final_path([step for step, _, _ in trainings])
+    lost = dict.fromkeys(CAUSES, 0.0)
+    lost["start-up"] = trainings[0][1] - step_s - t0 if trainings else wall
+    lost["tail"] = end - trainings[-1][1] if trainings else 0.0
+    timeline, productive = [(t0, 0.0)], 0.0
+    for (_, t, participants), k in zip(trainings, kept, strict=True):
+        if not k:
+            lost["re-computed"] += step_s * participants / groups
+            continue
+        productive += step_s * participants / groups
+        lost["fewer replicas"] += step_s * (1 - participants / groups)
+        timeline.append((t, productive))
+    timeline.append((end, productive))
+    lost["restart"] = wall - productive - sum(lost.values())
+    # per kill: -> the next step any group trained, and -> every group in a step again
+    recoveries = [next((t - k for _, t, _ in trainings if t > k), None) for k in kills]
+    whole = [next((t - k for _, t, p in trainings if t > k and p == groups), None)
+             for k in kills]
+    startup = lost["start-up"]
+    return {"wall_s": wall, "productive_s": productive, "goodput": productive / wall,
+            "goodput_excl_startup": productive / (wall - startup) if wall > startup else None,
+            "lost_s": lost, "unaccounted_s": 0.0, "recoveries_s": recoveries,
+            "whole_again_s": [None if w is None else round(w, 3) for w in whole],
+            "steps_final": trainings[-1][0] if trainings else 0, "step_median_s": step_s,
             "timeline": [(round(t - t0, 3), round(p, 3)) for t, p in timeline]}
 
 
@@ -285,14 +370,17 @@ def goodput_run(launcher, variant, every, args, run_dir, rng):
     if skip:
         return {"launcher": launcher, "variant": variant, "every_s": every, "skipped": skip}
     ckpt_every = args.shim_ckpt_every if variant == "shim" else args.ckpt_every
-    cmd = argv + script_args("train_gpt", variant, run_dir, ckpt_every, args.step_time,
+    replicas = launcher == "torchft"  # survivors train on: every group counts, not rank 0
+    script = "train_gpt_torchft" if replicas else "train_gpt"
+    cmd = argv + script_args(script, variant, run_dir, ckpt_every, args.step_time,
                              args.shim_persist_every, not args.shim_no_overlap)
     wall = args.minutes * 60
     load_before = os.getloadavg()
     job = Job(cmd, env, run_dir)
     t0, events, kills = job.t0, [], []
     end, next_kill = t0 + wall, t0 + every
-    pids, started, up = {}, set(), False  # up: every rank started since the kill, rank 0 stepped
+    # up: every rank started since the kill and rank 0 stepped (TorchFT: every group stepped)
+    pids, started, stepped, up = {}, set(), set(), False
     while True:
         now, line = job.next_line(min(end, next_kill) if up else end)
         if now >= end:
@@ -304,8 +392,12 @@ def goodput_run(launcher, variant, every, args, run_dir, rng):
                 started.add(rank)
                 events.append((now, "start", rank, pid))
             elif m := STEP.search(line):
-                events.append((now, "step", int(m[2]), int(m[1])))
-                if int(m[2]) == 0 and len(started) == args.nproc:
+                rank = int(m[2])
+                events.append((now, "step", rank, (int(m[1]), int(m[3] or args.nproc))
+                               if replicas else int(m[1])))
+                stepped.add(rank)
+                if len(stepped if replicas else started) == args.nproc and \
+                        (replicas or rank == 0):
                     up = True
         if up and time.monotonic() >= next_kill:
             victim = rng.randrange(args.nproc)
@@ -317,7 +409,7 @@ def goodput_run(launcher, variant, every, args, run_dir, rng):
             events.append((t, "kill", victim, pids[victim]))
             kills.append({"t": round(t - t0, 3), "rank": victim, "pid": pids[victim],
                           "late_s": round(t - next_kill, 3)})
-            up, started = False, set()
+            up, started, stepped = False, set(), set()
             next_kill += every
     returncode = job.proc.poll()
     job.stop()
@@ -325,7 +417,9 @@ def goodput_run(launcher, variant, every, args, run_dir, rng):
          "kills": kills, "faults": len(kills), "exited_early_rc": returncode,
          "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
          "log": str(run_dir / "output.log"),
-         "ckpt_every": ckpt_every, **account(t0, wall, events, ckpt_every)}
+         "ckpt_every": ckpt_every,
+         **(account_replicas(t0, wall, events, args.nproc) if replicas
+            else account(t0, wall, events, ckpt_every))}
     if launcher.startswith("ftlaunch"):
         r["ftlaunch_report"] = ftlaunch_report(run_dir / "logs")
     return r
@@ -355,6 +449,9 @@ def print_run(r):
           f"{r['faults']} faults, recovery median "
           f"{fmt_s(statistics.median(rec) if rec else None)}s, lost "
           + ", ".join(f"{k} {v:.2f}" for k, v in r["lost_s"].items())
+          + f", step {r['step_median_s']:.3f}s"
+          + (f", kill -> every group in a step again {r['whole_again_s']}"
+             if "whole_again_s" in r else "")
           + f", load {r['loadavg_before'][0]:.2f}->{r['loadavg_after'][0]:.2f}", flush=True)
     own = ft_own(r)
     if r["launcher"].startswith("ftlaunch"):
@@ -524,9 +621,10 @@ def compile_ours():
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--launchers", default="ftlaunch,torchrun,nvrx,dlrover",
+    p.add_argument("--launchers", default="ftlaunch,torchrun,nvrx,dlrover,torchft",
                    help="comma list of ftlaunch, torchrun (with its store workaround), nvrx, "
-                   "dlrover")
+                   "dlrover, torchft (scripts/train_gpt_torchft.py: its API, not the same "
+                   "script)")
     p.add_argument("--variants", default="plain,shim",
                    help="plain (unmodified script), shim (--shim --async-ckpt; ftlaunch only)")
     p.add_argument("--every", default="60,30", help="comma list: seconds between kills")
@@ -582,13 +680,13 @@ def main():
     if args.recovery_rate:
         out = {**info, "config": vars(args), "recovery_rate": recovery_rate(args, work)}
     else:
-        configs = [(lc, v) for v in args.variants.split(",") for lc in args.launchers.split(",")
-                   if v == "plain" or lc.startswith("ftlaunch")]
+        configs = [(lc, "own loop" if lc == "torchft" else v) for v in args.variants.split(",")
+                   for lc in args.launchers.split(",") if v == "plain" or lc.startswith("ftlaunch")]
         runs, i = [], 0
         for rep in range(args.reps):
             for every in (float(x) for x in args.every.split(",")):
                 for launcher, variant in configs if i % 2 == 0 else configs[::-1]:
-                    run_dir = work / f"rep{rep}-{launcher}-{variant}-{every:g}"
+                    run_dir = work / f"rep{rep}-{launcher}-{variant.replace(' ', '-')}-{every:g}"
                     run_dir.mkdir(parents=True)
                     rng = random.Random(f"{args.seed}-{rep}-{every:g}")  # same victims
                     r = goodput_run(launcher, variant, every, args, run_dir, rng)

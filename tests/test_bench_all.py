@@ -69,6 +69,41 @@ def test_goodput_counts_an_attempts_first_step_from_its_start_line():
     assert acc["unaccounted_s"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_torchft_goodput_counts_each_kept_step_by_its_share_of_the_batch():
+    """bench_goodput's TorchFT account: two groups in step at 0.1 s; group 1 killed at 0.5:
+    group 0 stalls to 1.0, trains 2 steps alone (half the batch each), group 1 heals in.
+    Then a kill crashes both (as TorchFT 0.2.0's gloo DDP did) and they start again from
+    step 1: every step trained before is lost, not productive until trained again."""
+    import bench_goodput
+
+    def both(t, step, p=2):
+        return [(t, "step", 0, (step, p)), (t + 0.001, "step", 1, (step, p))]
+
+    events = [e for i in range(1, 5) for e in both(0.1 * i, i)]  # 0.1 .. 0.4
+    events += [(0.5, "kill", 1, 7), (1.0, "step", 0, (5, 1)), (1.1, "step", 0, (6, 1))]
+    events += both(1.2, 7) + both(1.3, 8)
+    acc = bench_goodput.account_replicas(0.0, 1.4, events, groups=2)
+    lost = acc["lost_s"]
+    assert acc["step_median_s"] == pytest.approx(0.1)
+    assert lost["start-up"] == pytest.approx(0.0, abs=1e-9)  # step 1 began at 0.0
+    assert acc["productive_s"] == pytest.approx(0.1 * (6 + 2 * 0.5))
+    assert lost["fewer replicas"] == pytest.approx(0.1 * 2 * 0.5)  # steps 5 and 6
+    assert lost["restart"] == pytest.approx(0.5)  # group 0 stalled from 0.5 to 1.0
+    assert lost["tail"] == pytest.approx(0.1)
+    assert acc["recoveries_s"] == [pytest.approx(0.5)]
+    assert acc["whole_again_s"] == [pytest.approx(0.7)]
+
+    events += [(1.35, "kill", 0, 8)] + both(2.1, 1) + both(2.2, 2)
+    acc = bench_goodput.account_replicas(0.0, 2.3, events, groups=2)
+    lost = acc["lost_s"]
+    assert acc["productive_s"] == pytest.approx(0.2)  # steps 1 and 2, again
+    assert lost["re-computed"] == pytest.approx(0.1 * (6 + 2 * 0.5))  # all of the first run
+    assert lost["fewer replicas"] == 0.0
+    assert acc["productive_s"] + sum(lost.values()) == pytest.approx(2.3)
+    assert acc["whole_again_s"] == [pytest.approx(0.7), pytest.approx(0.75)]
+    assert acc["steps_final"] == 2
+
+
 # bench_coordinator.py gives the coordinator a CPU of its own and the agents the rest: under a
 # cpuset of one CPU (taskset, a small container) it refuses to run, as it says.
 needs_two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
