@@ -32,8 +32,11 @@ read line by line (time.monotonic stamps) - rank 0's ``step N`` lines:
 TorchFT (``torchft``) cannot run the unmodified script: it runs
 scripts/train_gpt_torchft.py (the same model, batches, optimizer and --step-time through
 TorchFT's Manager, one replica group a rank) under a torchrun a group and a lighthouse, as
-its README does. Its survivors train on while a killed group restarts and heals from them,
-so its goodput counts the samples committed, in fault-free step time (``account_replicas``).
+its README does, with the settings of its DDP example. Its survivors train on while a
+killed group restarts and heals from them, so its goodput counts the samples committed, in
+fault-free step time (``account_replicas``). ``torchft-tuned``: the same with TorchFT 0.2.0's
+DDP error path patched (a survivor mid-all-reduce died with its peer) and 1 s timeouts (the
+lighthouse's heartbeat, gloo's): TorchFT at its best here.
 
 The kill schedule is fixed (every --every s from launch); a kill that falls while the job
 is still recovering is held until every rank is up and rank 0 stepped again. For ftlaunch
@@ -86,6 +89,8 @@ OTHERS = {"nvrx": "/tmp/nvrx-venv/bin/ft_launcher",
           "torchft": "/tmp/torchft-venv/bin/torchft_lighthouse"}
 """The launchers in venvs of their own (scripts/install_competitors.sh puts them there)."""
 WORKAROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+TORCHFT_TUNED = ["--patch-ddp-hook", "--pg-timeout", "1"]
+"""torchft-tuned: its DDP error path patched, a failed all-reduce given up after 1 s."""
 
 
 def launcher_argv(name, nproc, run_dir, max_restarts, others):
@@ -102,12 +107,15 @@ def launcher_argv(name, nproc, run_dir, max_restarts, others):
         return [str(BIN / "torchrun"), *n], dict(WORKAROUND), None
     if name == "torchrun-default":
         return [str(BIN / "torchrun"), *n], {}, None
+    if name.startswith("torchft"):
+        if not Path(others["torchft"]).exists():
+            return None, None, (f"{others['torchft']} not found (torchft is not installed: "
+                                "scripts/install_competitors.sh, or --torchft)")
+        return torchft_job(others["torchft"], nproc, max_restarts, tuned=name == "torchft-tuned")
     if name in OTHERS:
         if not Path(others[name]).exists():
             return None, None, (f"{others[name]} not found ({name} is not installed: "
                                 f"scripts/install_competitors.sh, or --{name})")
-        if name == "torchft":
-            return torchft_job(others[name], nproc, max_restarts)
         if name == "dlrover":  # (its defaults; see dlrover_master)
             return dlrover_master(others[name]) + [others[name], *n], {
                 "DLROVER_MASTER_ADDR": f"127.0.0.1:{free_port()}"}, None
@@ -125,13 +133,16 @@ def dlrover_master(dlrover_run):
     return ["bash", "-c", f'{master} & exec "$0" "$@"']
 
 
-def torchft_job(lighthouse, nproc, max_restarts):
+def torchft_job(lighthouse, nproc, max_restarts, tuned=False):
     """TorchFT as its README runs it: a lighthouse, and each replica group (here one rank,
-    train_gpt_torchft.py) under a torchrun of its own that restarts it when it dies."""
+    train_gpt_torchft.py) under a torchrun of its own that restarts it when it dies.
+    ``tuned``: a replica silent for 1 s is dead to the lighthouse (its default: 5 s); the
+    script's gloo timeout and DDP patch go with it (TORCHFT_TUNED, in script_args)."""
     port = free_port()
     groups = " ".join(f'REPLICA_GROUP_ID={g} "$0" "$@" &' for g in range(nproc))
     job = (f'"{lighthouse}" --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 '
-           f'--bind "[::]:{port}" & {groups} wait')
+           f'{"--heartbeat_timeout_ms 1000 " if tuned else ""}--bind "[::]:{port}" & '
+           f'{groups} wait')
     torchrun = ["--standalone", "--nproc-per-node", "1", "--max-restarts", str(max_restarts)]
     return ["bash", "-c", job, str(Path(lighthouse).parent / "torchrun"), *torchrun], {
         "NUM_REPLICA_GROUPS": str(nproc), "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}"}, None
@@ -370,10 +381,11 @@ def goodput_run(launcher, variant, every, args, run_dir, rng):
     if skip:
         return {"launcher": launcher, "variant": variant, "every_s": every, "skipped": skip}
     ckpt_every = args.shim_ckpt_every if variant == "shim" else args.ckpt_every
-    replicas = launcher == "torchft"  # survivors train on: every group counts, not rank 0
+    replicas = launcher.startswith("torchft")  # survivors train on: every group counts
     script = "train_gpt_torchft" if replicas else "train_gpt"
     cmd = argv + script_args(script, variant, run_dir, ckpt_every, args.step_time,
                              args.shim_persist_every, not args.shim_no_overlap)
+    cmd += TORCHFT_TUNED if launcher == "torchft-tuned" else []
     wall = args.minutes * 60
     load_before = os.getloadavg()
     job = Job(cmd, env, run_dir)
@@ -624,7 +636,7 @@ def main():
     p.add_argument("--launchers", default="ftlaunch,torchrun,nvrx,dlrover,torchft",
                    help="comma list of ftlaunch, torchrun (with its store workaround), nvrx, "
                    "dlrover, torchft (scripts/train_gpt_torchft.py: its API, not the same "
-                   "script)")
+                   "script), torchft-tuned (the same, its DDP bug patched and 1 s timeouts)")
     p.add_argument("--variants", default="plain,shim",
                    help="plain (unmodified script), shim (--shim --async-ckpt; ftlaunch only)")
     p.add_argument("--every", default="60,30", help="comma list: seconds between kills")
@@ -680,7 +692,8 @@ def main():
     if args.recovery_rate:
         out = {**info, "config": vars(args), "recovery_rate": recovery_rate(args, work)}
     else:
-        configs = [(lc, "own loop" if lc == "torchft" else v) for v in args.variants.split(",")
+        configs = [(lc, "own loop" if lc.startswith("torchft") else v)
+                   for v in args.variants.split(",")
                    for lc in args.launchers.split(",") if v == "plain" or lc.startswith("ftlaunch")]
         runs, i = [], 0
         for rep in range(args.reps):

@@ -9,6 +9,13 @@ ranks. Settings are those of TorchFT's own DDP example (train_ddp.py): gloo time
 manager timeout 30 s, min_replica_size 1, no checkpoint to storage (a restarted group heals
 from a live one).
 
+--patch-ddp-hook: TorchFT 0.2.0's DistributedDataParallel comm hook asserts (AssertionError
+in ``_comm_hook``) when the gloo all-reduce fails under it (a peer killed mid-all-reduce:
+"Connection reset by peer"), so the survivor dies too and every group starts again from
+step 0. The patch does what TorchFT's Manager.allreduce documents for an error: the step's
+gradients are discarded (the manager reported the error and will not commit the step) and
+training goes on. It measures TorchFT's design without that bug.
+
 Lines for the bench, as train_gpt.py's: ``start rank G world N pid P resume_from S`` and,
 for each step a group committed, ``step K loss L rank G participants P``.
 
@@ -28,6 +35,19 @@ from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGlo
 from train_gpt import VOCAB, TinyGPT, log, make_batch
 
 
+def comm_hook_surviving_errors(manager, bucket):
+    """TorchFT's DDP comm hook, except where the all-reduce failed: its managed future then
+    has no torch future (the hook asserted); the manager has the error and the step will not
+    commit, so any completed future will do."""
+    work = manager.allreduce(bucket.buffer())
+    work.wait()
+    fut = work.get_future()._fut
+    if fut is None:
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+    return fut
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
@@ -35,7 +55,13 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--step-time", type=float, default=0.0, help="extra sleep per step (s)")
+    p.add_argument("--pg-timeout", type=float, default=5.0,
+                   help="its gloo process group's timeout (s; its example: 5)")
+    p.add_argument("--patch-ddp-hook", action="store_true",
+                   help="survive an all-reduce that fails under DDP's comm hook (see above)")
     args = p.parse_args()
+    if args.patch_ddp_hook:
+        DistributedDataParallel._comm_hook = staticmethod(comm_hook_surviving_errors)
     group = int(os.environ.get("REPLICA_GROUP_ID", 0))
     groups = int(os.environ.get("NUM_REPLICA_GROUPS", 1))
     if "OMP_NUM_THREADS" not in os.environ:
@@ -52,7 +78,8 @@ def main():
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["optim"])
 
-    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=1,
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=args.pg_timeout))
+    manager = Manager(pg=pg, min_replica_size=1,
                       load_state_dict=load_state_dict, state_dict=state_dict,
                       replica_id=f"train_gpt_{group}", timeout=timedelta(seconds=30))
     ddp = DistributedDataParallel(manager, model)
