@@ -532,7 +532,9 @@ def plot(runs, path):
         top.legend(loc="upper left", fontsize=8)
         for ax in (top, bottom):
             ax.grid(alpha=0.3)
-    fig.suptitle("Goodput timeline: scripts/train_gpt.py, DDP/gloo, 2 ranks on 2 vCPU")
+    torchft = any(n.startswith("torchft") for n, _ in names)
+    fig.suptitle("Goodput timeline: scripts/train_gpt.py, DDP/gloo, 2 ranks on 2 vCPU"
+                 + ("\n(TorchFT: the same training in train_gpt_torchft.py)" if torchft else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"plot: {path}")
