@@ -90,11 +90,11 @@ BENCHES = (
            "2", "--nproc", "1")),
 )
 
-ANCHORS = """| figure | torchrun | NVRx ft_launcher | DLRover dlrover-run | where measured |
-|---|---|---|---|---|
-| goodput at a kill -9 a minute (DDP, gloo) | 0.909-0.922 | see goodput above | see goodput above | issue #17, this machine |
-| recovery after kill -9 of one rank | 4.4 s (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) | - | - | BENCHMARKS.md "Recovery after kill -9" |
-| rendezvous of 64 agents | torch c10d, see rendezvous above | - | - | the same run |"""
+ANCHORS = """| figure | torchrun | NVRx ft_launcher | DLRover dlrover-run | TorchFT (its own loop) | where measured |
+|---|---|---|---|---|---|
+| goodput at a kill -9 a minute (DDP, gloo) | 0.909-0.922 | see goodput above | see goodput above | see goodput above | issue #17, this machine |
+| recovery after kill -9 of one rank | 4.4 s (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) | - | - | - | BENCHMARKS.md "Recovery after kill -9" |
+| rendezvous of 64 agents | torch c10d, see rendezvous above | - | - | - | the same run |"""
 
 
 def machine() -> str:
