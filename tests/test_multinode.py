@@ -194,14 +194,17 @@ def test_control_connections_the_kernel_ends_while_every_agent_lives_cost_nothin
 
 def test_late_joiner_scales_the_job_up(tmp_path, launch):
     port = _free_port()
-    alone = _node(launch, port, "1:2", *_train_args(tmp_path, steps=150))
+    held = held_before_last_step(tmp_path)  # never done before the late node is in
+    alone = _node(launch, port, "1:2", *_train_args(tmp_path, steps=40), env=held)
     alone.wait_for(r"\[rank0\]: start rank 0 world 1 ")
     alone.wait_for(r"step 10 ")
-    late = _node(launch, port, "1:2", *_train_args(tmp_path, steps=150))
+    late = _node(launch, port, "1:2", *_train_args(tmp_path, steps=40), env=held)
     alone.wait_for(r"joined: scaling up to 2 nodes")
+    late.wait_for(r"start rank 1 world 2 ")
+    faults_over(tmp_path)
     assert alone.finish() == 0, alone.output
     assert late.finish() == 0, late.output
-    assert "start rank 1 world 2" in late.output
+    assert json.loads((tmp_path / "out.json").read_text())["final_step"] == 40
 
 
 def test_min_nodes_not_reached_is_a_clear_timeout(tmp_path, launch):
