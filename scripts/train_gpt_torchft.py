@@ -38,10 +38,12 @@ from train_gpt import VOCAB, TinyGPT, log, make_batch
 def comm_hook_surviving_errors(manager, bucket):
     """TorchFT's DDP comm hook, except where the all-reduce failed: its managed future then
     has no torch future (the hook asserted); the manager has the error and the step will not
-    commit, so any completed future will do."""
+    commit, so any completed future will do. (After an error, allreduce returns a stand-in
+    work whose future is a plain torch one.)"""
     work = manager.allreduce(bucket.buffer())
     work.wait()
-    fut = work.get_future()._fut
+    fut = work.get_future()
+    fut = getattr(fut, "_fut", fut)
     if fut is None:
         fut = torch.futures.Future()
         fut.set_result(bucket.buffer())
