@@ -89,8 +89,6 @@ OTHERS = {"nvrx": "/tmp/nvrx-venv/bin/ft_launcher",
           "torchft": "/tmp/torchft-venv/bin/torchft_lighthouse"}
 """The launchers in venvs of their own (scripts/install_competitors.sh puts them there)."""
 WORKAROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-TORCHFT_TUNED = ["--patch-ddp-hook", "--pg-timeout", "1"]
-"""torchft-tuned: its DDP error path patched, a failed all-reduce given up after 1 s."""
 
 
 def launcher_argv(name, nproc, run_dir, max_restarts, others):
@@ -136,10 +134,11 @@ def dlrover_master(dlrover_run):
 def torchft_job(lighthouse, nproc, max_restarts, tuned=False):
     """TorchFT as its README runs it: a lighthouse, and each replica group (here one rank,
     train_gpt_torchft.py) under a torchrun of its own that restarts it when it dies.
-    ``tuned``: a replica silent for 1 s is dead to the lighthouse (its default: 5 s); the
-    script's gloo timeout and DDP patch go with it (TORCHFT_TUNED, in script_args)."""
+    ``tuned``: a replica silent for 1 s is dead to the lighthouse (its default: 5 s), a
+    failed all-reduce is given up after 1 s and its DDP error path is patched."""
     port = free_port()
-    groups = " ".join(f'REPLICA_GROUP_ID={g} "$0" "$@" &' for g in range(nproc))
+    script = "--patch-ddp-hook --pg-timeout 1" if tuned else ""  # after the script's args
+    groups = " ".join(f'REPLICA_GROUP_ID={g} "$0" "$@" {script} &' for g in range(nproc))
     job = (f'"{lighthouse}" --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 '
            f'{"--heartbeat_timeout_ms 1000 " if tuned else ""}--bind "[::]:{port}" & '
            f'{groups} wait')
@@ -385,7 +384,6 @@ def goodput_run(launcher, variant, every, args, run_dir, rng):
     script = "train_gpt_torchft" if replicas else "train_gpt"
     cmd = argv + script_args(script, variant, run_dir, ckpt_every, args.step_time,
                              args.shim_persist_every, not args.shim_no_overlap)
-    cmd += TORCHFT_TUNED if launcher == "torchft-tuned" else []
     wall = args.minutes * 60
     load_before = os.getloadavg()
     job = Job(cmd, env, run_dir)
@@ -408,8 +406,9 @@ def goodput_run(launcher, variant, every, args, run_dir, rng):
                 events.append((now, "step", rank, (int(m[1]), int(m[3] or args.nproc))
                                if replicas else int(m[1])))
                 stepped.add(rank)
-                if len(stepped if replicas else started) == args.nproc and \
-                        (replicas or rank == 0):
+                if replicas:
+                    up = len(stepped) == args.nproc
+                elif rank == 0 and len(started) == args.nproc:
                     up = True
         if up and time.monotonic() >= next_kill:
             victim = rng.randrange(args.nproc)
