@@ -11,11 +11,13 @@ import contextlib
 import gc
 import itertools
 import logging
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -59,6 +61,9 @@ from launcher import exit_codes, failures, membership, recovery, replica_plan
 from launcher.commits import CommitLog
 from launcher.peer_probe import Knocks, Probe, Verdict, no_death
 
+if TYPE_CHECKING:
+    from launcher.intake import Intakes
+
 log = logging.getLogger("ftlaunch.coordinator")
 
 TICK_SECONDS = 0.05
@@ -78,9 +83,15 @@ is knocked at (ControlPlane._silent) only when something is wrong. A large job's
 a third of its timeout apart: within LARGE_ACK_WITHIN every other one is acked (two thirds of
 the timeout, a third to spare)."""
 DRAIN_BATCH = 1024
+INTAKE_BATCHES = 4  # an intake's batch is up to intake.BATCH messages
 SUCCESSORS = 16
 """An assign lists only the first group ranks: the nodes that may take over the coordinator.
 Enough for 15 coordinator losses in a row, and keeps each assign O(1) in the job's size."""
+
+
+class IntakeLost(RuntimeError):
+    """An intake process (launcher.intake) died or stopped answering: its share of the
+    connections is gone, so the coordinator stops serving (see Coordinator.failure)."""
 
 
 def pace(max_nodes: int) -> float:
@@ -91,6 +102,27 @@ def pace(max_nodes: int) -> float:
     most: a message after a quiet spell is served at once, one in a stream waits at most
     this long, and a small job's (8 nodes: 80 µs) is not held back."""
     return min(MAX_PACE, max_nodes * 1e-5)
+
+
+Seat = tuple[int, int, Peers, Fetches]  # an assign's Assign.SEAT fields
+
+
+class Seats(Mapping[str, Assign]):
+    """A round's assigns by node, held as one assign and the seats they differ in: a
+    16,384-node round builds no 16,384 Assigns (~2 µs each), only one asked for again."""
+
+    def __init__(self, template: Assign | None = None, seats: dict[str, Seat] | None = None):
+        self.template, self.seats = template, seats or {}
+
+    def __getitem__(self, node: str) -> Assign:
+        assert self.template is not None
+        return replace(self.template, **dict(zip(Assign.SEAT, self.seats[node], strict=True)))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.seats)
+
+    def __len__(self) -> int:
+        return len(self.seats)
 
 
 class RoundPhase(StrEnum):
@@ -156,7 +188,7 @@ class JobState:
     run_id: str = ""
     last_cause: str = ""  # of the latest recovery
     node_status: dict[str, tuple[str, RankStates]] = field(default_factory=dict)  # heartbeats
-    assigns: dict[str, Assign] = field(default_factory=dict)  # the running round's, by node
+    assigns: Seats = field(default_factory=lambda: Seats())  # the running round's, by node
     start: Start | None = None  # the running round's, once given
     # The quorum a round needs (see membership.has_quorum):
     electorate: int = 0  # nodes of the last round closed, and its named spares (0: none yet)
@@ -231,8 +263,9 @@ def keep_alive(sock: zmq.Socket, node_timeout: float, small: bool = False) -> No
 
 
 def bind_router(context: zmq.Context, addr: str, port: int, node_timeout: float,
-                small: bool = False) -> tuple[zmq.Socket, int]:
-    """A ROUTER socket bound to addr:port (port 0 = any free port); ``small``: see keep_alive."""
+                small: bool = False, shared: bool = False) -> tuple[zmq.Socket, int]:
+    """A ROUTER socket bound to addr:port (port 0 = any free port); ``small``: see keep_alive.
+    ``shared``: intake processes may bind the same port (launcher.intake)."""
     sock = context.socket(zmq.ROUTER)
     keep_alive(sock, node_timeout, small)
     sock.setsockopt(zmq.LINGER, 1000)  # let the last "stop" reach every agent
@@ -241,16 +274,40 @@ def bind_router(context: zmq.Context, addr: str, port: int, node_timeout: float,
     # Every survivor of a lost coordinator connects to its successor at once: with ZeroMQ's
     # default backlog (100) the kernel drops the rest of the SYNs, and TCP retries after 1 s,
     # then 3 s... (the kernel caps it at net.core.somaxconn).
-    sock.setsockopt(zmq.BACKLOG, 65535)
+    sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
     try:
-        if port:
+        if shared:
+            fd, port = shared_listener(addr, port)
+            sock.setsockopt(zmq.USE_FD, fd)  # ZeroMQ closes it with the socket
+            sock.bind(f"tcp://{addr}:{port}")
+        elif port:
             sock.bind(f"tcp://{addr}:{port}")
         else:
             port = sock.bind_to_random_port(f"tcp://{addr}")
-    except zmq.ZMQError:
+    except (zmq.ZMQError, OSError):
         sock.close(linger=0)
         raise
     return sock, port
+
+
+LISTEN_BACKLOG = 65535
+
+
+def shared_listener(addr: str, port: int) -> tuple[int, int]:
+    """A listening TCP socket on addr:port (0: any free port) that other processes of ours
+    may bind too (SO_REUSEPORT: the kernel spreads new connections over them): its file
+    descriptor, for ZeroMQ's ZMQ_USE_FD, and its port."""
+    listener = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        listener.bind((addr, port))
+        listener.listen(LISTEN_BACKLOG)
+        port = listener.getsockname()[1]
+    except OSError:
+        listener.close()
+        raise
+    return listener.detach(), port
 
 
 class Coordinator:
@@ -258,13 +315,16 @@ class Coordinator:
 
     def __init__(self, sock: zmq.Socket, secret: bytes, state: JobState,
                  takeover_cause: str | None = None,
-                 announce: tuple[tuple[str, ...], Redirect] | None = None):
-        """``announce``: (endpoints, where we are): a successor tells whatever comes up at the
+                 announce: tuple[tuple[str, ...], Redirect] | None = None,
+                 intakes: Intakes | None = None):
+        """``intakes``: processes serving a share of the port's connections (launcher.intake).
+        ``announce``: (endpoints, where we are): a successor tells whatever comes up at the
         rendezvous endpoint (a re-created pod 0, a restarted agent) that the job runs here,
         and a predecessor that went silent (maybe cut off, and holding the tie of a round)."""
         self._codec = Codec(secret)
         self._state = state
         self._socket = sock
+        self._intakes = intakes
         self._stopping = threading.Event()
         self._handed_over = threading.Event()  # see wait_handed_over()
         self._failure: str | None = None  # see failure
@@ -329,6 +389,8 @@ class Coordinator:
         for announcer in self._announcers:
             announcer.close()
         self._announcers.clear()
+        if self._intakes is not None:
+            self._intakes.flush()
         return self._socket
 
     @property
@@ -369,6 +431,8 @@ class Coordinator:
         self._poller = poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        if self._intakes is not None:
+            poller.register(self._intakes.hub, zmq.POLLIN)
         for announcer in self._announcers:
             poller.register(announcer, zmq.POLLIN)
         try:
@@ -408,6 +472,10 @@ class Coordinator:
                     log.exception("coordinator tick failed")
                 self._announce()
             self._check_handed_over()
+            if self._intakes is not None:
+                self._intakes.flush()
+                if lost := self._intakes.lost():
+                    raise IntakeLost(lost)
 
     def _drain_queued(self) -> None:
         """A successor's standby socket queued what came before it served: joins of agents
@@ -423,6 +491,8 @@ class Coordinator:
         finally:
             self._queued = False
         self._forget_closed_joins(time.monotonic())
+        if self._intakes is not None:
+            self._intakes.flush()
 
     def _forget_closed_joins(self, now: float) -> None:
         """Joins queued from a connection that closed before we served are no joins: ZeroMQ
@@ -463,6 +533,8 @@ class Coordinator:
         such a connection counts as open, its node found by its silence."""
         frames = self._codec.encode(HeartbeatAck(settled_below=self._settled_below),
                                     self._state.epoch)
+        if self._intakes is not None:
+            return self._intakes.unroutable(identities, frames) if identities else set()
         closed = set()
         self._socket.getsockopt(zmq.EVENTS)  # reads the socket's pending commands, unthrottled
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -488,11 +560,14 @@ class Coordinator:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            closed = [i for i, fd in self._fds.items() if fd == event["value"]]
-            if not closed:
-                self._closed_unheard.add(event["value"])
-            for identity in closed:
-                self._connection_gone(identity, time.monotonic())
+            self._closed(event["value"])
+
+    def _closed(self, fd: int) -> None:
+        closed = [i for i, known in self._fds.items() if known == fd]
+        if not closed:
+            self._closed_unheard.add(fd)
+        for identity in closed:
+            self._connection_gone(identity, time.monotonic())
 
     def _connection_gone(self, identity: bytes, now: float) -> None:
         """Forget a closed connection's descriptor (the kernel gives it to the next one) and
@@ -573,6 +648,20 @@ class Coordinator:
             del pending[identity]
 
     def _drain_batch(self) -> bool:
+        emptied = self._drain_socket()
+        if self._intakes is not None:  # what they verified, not checked for replays yet
+            for fd, identity, verified in self._intakes.receive(INTAKE_BATCHES):
+                if verified is None:
+                    self._closed(fd)
+                    continue
+                try:
+                    self._heard(identity, fd, self._codec.accept(verified))
+                except Exception as e:  # (a bug's, as in _drain_socket)
+                    log.warning("dropped control message: %s", e)
+            emptied = emptied and not self._intakes.pending()
+        return emptied
+
+    def _drain_socket(self) -> bool:
         for _ in range(DRAIN_BATCH):
             try:  # one zmq.Again a wake-up (a large job's serve several messages: see pace)
                 parts = [self._socket.recv(_NOBLOCK, copy=False)]
@@ -583,19 +672,24 @@ class Coordinator:
             try:
                 if len(parts) < 2:
                     raise ProtocolError("no identity frame")
-                identity = parts[0].bytes
                 received = self._codec.decode([p.bytes for p in parts[1:]])
-                # Its connection, once it proved it holds the secret: a forged message from a
-                # connection that then closes must not make a member look dead.
-                self._fds[identity] = fd = parts[1].get(zmq.SRCFD)
-                if fd in self._closed_unheard:
-                    self._heard_after_close.add(identity)
-                self._handle(identity, received, time.monotonic())
+                self._heard(parts[0].bytes, parts[1].get(zmq.SRCFD), received)
             except ProtocolError as e:
                 log.warning("dropped control message: %s", e)
             except Exception:  # a bug must not silently stop the job's only decider
-                log.exception("coordinator failed to handle a message")
+                log.exception("coordinator failed to decode a message")
         return False
+
+    def _heard(self, identity: bytes, fd: int, received: Envelope) -> None:
+        # Its connection, once it proved it holds the secret: a forged message from a
+        # connection that then closes must not make a member look dead.
+        self._fds[identity] = fd
+        if fd in self._closed_unheard:
+            self._heard_after_close.add(identity)
+        try:
+            self._handle(identity, received, time.monotonic())
+        except Exception:  # a bug must not silently stop the job's only decider
+            log.exception("coordinator failed to handle a message")
 
     def _send(self, identity: bytes, msg: Body) -> None:
         self._send_frames(identity, self._codec.encode(msg, self._state.epoch))
@@ -609,6 +703,9 @@ class Coordinator:
     def _send_frames(self, identity: bytes, frames: list[bytes]) -> None:
         """send_multipart's work with plain int flags: its enum arithmetic cost more than
         the sending (a round's N assigns, a large job's acks)."""
+        if self._intakes is not None:  # every connection is one of theirs (intake.Port)
+            self._intakes.send(identity, frames)
+            return
         send = self._socket.send
         send(identity, _SNDMORE)
         for frame in frames[:-1]:
@@ -957,27 +1054,38 @@ class Coordinator:
         s.successors = members
         s.phase = RoundPhase.WAITING_STORE
         replicas = self._replicas(assignments, committed)
-        s.assigns, s.start = {}, None
+        s.start = None
         earlier = tuple(EarlierVoter(*row) for row in  # (noted before any ack follows them)
                         membership.named(self._note_unsettled(), SUCCESSORS))
-        for a in assignments:
-            replicate_to, fetch = replicas[a.node_id]
-            s.assigns[a.node_id] = Assign(
-                group_rank=a.group_rank, group_world_size=a.group_world_size,
-                rank_offset=a.rank_offset, world_size=a.world_size,
-                restart_count=s.restart_count, max_restarts=s.max_restarts, members=members,
-                spares=s.spares, earlier=earlier, coordinator_node=s.host_node,
-                replicate_to=replicate_to, fetch=fetch)
-        assigns = self._codec.encode_each(list(s.assigns.values()), s.epoch, Assign.SEAT)
-        for node, frames in zip(s.assigns, assigns, strict=True):
-            self._send_frames(s.identities[node], frames)
-            # Word from us, as an ack is: a node's first beat after it needs none (else a
-            # large job's every node has its first beat acked, 16,384 acks a round).
-            self._beats[s.identities[node]] = (now, now)
+        first = assignments[0] if assignments else None
+        s.assigns = Seats(Assign(
+            group_rank=0, group_world_size=first.group_world_size if first else 0,
+            rank_offset=0, world_size=first.world_size if first else 0,
+            restart_count=s.restart_count, max_restarts=s.max_restarts, members=members,
+            spares=s.spares, earlier=earlier, coordinator_node=s.host_node, replicate_to=(),
+            fetch=()), {a.node_id: (a.group_rank, a.rank_offset, *replicas[a.node_id])
+                        for a in assignments})
+        self._send_seats(s.assigns, now)
         for node in s.members.keys() - s.group_ranks.keys():  # spares: whom to follow now
             if node in s.identities:
                 self._send(s.identities[node], Spare(members=members, spares=s.spares,
                                                      coordinator_node=s.host_node))
+
+    def _send_seats(self, assigns: Seats, now: float) -> None:
+        """Each node its assign: the shared part encoded once (Codec.reserve), each seat
+        signed here or, on an intake's connection, by the intake."""
+        assert assigns.template is not None
+        s, kind = self._state, Assign.TYPE
+        head, first = self._codec.reserve(assigns.template, Assign.SEAT, s.epoch, len(assigns))
+        for seq, (node, seat) in enumerate(assigns.seats.items(), first):
+            identity = s.identities[node]
+            if self._intakes is not None:  # the intake signs it
+                self._intakes.send_signed(identity, head, kind, Assign.SEAT, seat, seq)
+            else:
+                self._send_frames(identity, self._codec.sign(head, kind, Assign.SEAT, seat, seq))
+            # Word from us, as an ack is: a node's first beat after it needs none (else a
+            # large job's every node has its first beat acked, 16,384 acks a round).
+            self._beats[identity] = (now, now)
 
     def _replicas(self, assignments: list[membership.Assignment],
                   committed: int) -> dict[str, tuple[Peers, Fetches]]:

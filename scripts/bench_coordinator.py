@@ -45,6 +45,7 @@ from ftlaunch_contract.messages import CONTROL, Assign, Heartbeat, Held, Join, R
 from ftlaunch_contract.protocol import Codec, Envelope
 from launcher import membership
 from launcher.coordinator import Coordinator, JobState, RoundPhase, bind_router
+from launcher.intake import Port
 from launcher.replica_plan import runs
 
 SECRET = b"bench-coordinator-secret-0123456789"
@@ -61,12 +62,15 @@ def state(n):
                     last_call=30.0, join_timeout=600.0, host_node=node(0))
 
 
-def host(n, takeover, conn, cpus, io_threads=1, joins_first=False):
+def host(n, takeover, conn, cpus, io_threads=1, joins_first=False, intakes=0):
     """The coordinator's process, alone on ``cpus``, with ``io_threads`` ZeroMQ I/O threads
-    (each accepted connection is served by the least loaded one)."""
+    (each accepted connection is served by the least loaded one) and ``intakes`` intake
+    processes sharing its port (on the same ``cpus``)."""
     os.sched_setaffinity(0, cpus)
     logging.getLogger("ftlaunch").setLevel(logging.ERROR)  # the agents' exits at the end
-    sock, port = bind_router(zmq.Context(io_threads=io_threads), "127.0.0.1", 0, NODE_TIMEOUT)
+    shared = Port(zmq.Context(io_threads=io_threads), "127.0.0.1", 0, NODE_TIMEOUT, SECRET,
+                  intakes, max_nodes=n)
+    sock, port = shared.router, shared.port
     s = state(n)
     now = time.monotonic()
     if takeover:  # what fail_over gives it: the named successors, how many survived
@@ -84,7 +88,9 @@ def host(n, takeover, conn, cpus, io_threads=1, joins_first=False):
         conn.send((port, None))
         conn.recv()
         now = time.monotonic()
-    coordinator = Coordinator(sock, SECRET, s, "coordinator node lost" if takeover else None)
+    coordinator = Coordinator(sock, SECRET, s, "coordinator node lost" if takeover else None,
+                              intakes=shared.intakes)
+    pids = [p.pid for p in shared.intakes._procs.values()] if shared.intakes else []
     round_times = []  # the round closed, its assigns queued: the coordinator thread's share
     complete = coordinator._complete_round
 
@@ -94,12 +100,15 @@ def host(n, takeover, conn, cpus, io_threads=1, joins_first=False):
         round_times.append(time.monotonic())
     coordinator._complete_round = timed_round
     io_before = coordinator_cpu(os.getpid(), -1)["zmq_io"]  # before: the joins read off TCP
+    intakes_before = sum(coordinator_cpu(pid, -1)["process"] for pid in pids)
     coordinator.start()
     if not joins_first:
         conn.send((port, coordinator._thread.native_id))
     conn.recv()  # done
     cpu = coordinator_cpu(os.getpid(), coordinator._thread.native_id)
-    conn.send((now, round_times, cpu["coordinator_thread"], cpu["zmq_io"] - io_before))
+    intakes_cpu = sum(coordinator_cpu(pid, -1)["process"] for pid in pids) - intakes_before
+    conn.send((now, round_times, cpu["coordinator_thread"], cpu["zmq_io"] - io_before,
+               intakes_cpu))
 
 
 def floor_host(n, conn, cpus):
@@ -137,7 +146,8 @@ def floor_host(n, conn, cpus):
         sock.send(assign[1])
     sent, cpu = time.monotonic(), time.thread_time() - cpu
     conn.recv()  # done
-    conn.send((start, [read, sent], cpu, coordinator_cpu(os.getpid(), -1)["zmq_io"] - io_before))
+    conn.send((start, [read, sent], cpu, coordinator_cpu(os.getpid(), -1)["zmq_io"] - io_before,
+               0.0))
 
 
 class _Discard:
@@ -206,7 +216,7 @@ def dealer(context, port):
 
 
 def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False,
-          joins_first=False, warmup=0.0):
+          joins_first=False, warmup=0.0, spread=0.0):
     """Agents ``ids`` of a job of ``n`` in one process on ``cpus``: they beat at their share
     of the job's rate for ``window`` seconds, or join a takeover and wait for their assigns."""
     os.sched_setaffinity(0, cpus)
@@ -217,7 +227,9 @@ def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False,
     conn.send("ready")
     t0 = conn.recv()  # one start for every process (CLOCK_MONOTONIC is the machine's)
     if takeover:
-        for i in ids:
+        for j, i in enumerate(ids):
+            if spread and (wait := t0 + spread * j / len(ids) - time.monotonic()) > 0:
+                time.sleep(wait)  # (each process's share spread alike: they interleave)
             if connect_at_takeover:
                 socks[i] = dealer(context, port)
             socks[i].send_multipart(codecs[i].encode(Join(
@@ -276,14 +288,15 @@ def answer(conn, timeout=300):
 
 
 def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus=1,
-          io_threads=1, joins_first=False, socket_floor=False, warmup=0.0):
+          io_threads=1, joins_first=False, socket_floor=False, warmup=0.0, intakes=0,
+          spread=0.0):
     """``cpus``: the first ``coordinator_cpus`` for the coordinator, the others for the
     agents."""
     spawn = mp.get_context("spawn")
     here, there = mp.Pipe()
     proc = spawn.Process(target=host, daemon=True,
                          args=(n, takeover, there, cpus[:coordinator_cpus], io_threads,
-                               joins_first)) if not socket_floor else \
+                               joins_first, intakes)) if not socket_floor else \
         spawn.Process(target=floor_host, daemon=True, args=(n, there, cpus[:coordinator_cpus]))
     proc.start()
     here.send("ready")
@@ -295,7 +308,7 @@ def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus
         mine, theirs = mp.Pipe()
         worker = spawn.Process(target=swarm, daemon=True, args=(
             ids[k::procs], n, port, takeover, window, theirs, cpus[coordinator_cpus:],
-            connect_at_takeover, joins_first, warmup))
+            connect_at_takeover, joins_first, warmup, spread))
         worker.start()
         swarms.append((worker, mine))
     for _, conn in swarms:
@@ -329,7 +342,8 @@ def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus
         out["cpu"] = out["coordinator_thread"] + out["zmq_io"]
         out["cpu_us_per_heartbeat"] = 1e6 * out["cpu"] / out["heartbeats_per_s"]
     here.send("done")
-    served_at, round_times, out["thread_cpu_s"], out["io_cpu_s"] = here.recv()
+    served_at, round_times, out["thread_cpu_s"], out["io_cpu_s"], out["intakes_cpu_s"] = \
+        here.recv()
     if joins_first:  # from the successor's start: the joins were sent before it
         for key in ("joins_sent_s", "first_assign_s", "all_assigned_s"):
             out[key] -= served_at - t0
@@ -368,6 +382,14 @@ def main():
     p.add_argument("--decider-only", action="store_true",
                    help="the takeover's joins handled and round decided, no socket, decoding "
                         "or encoding: the coordinator's share that intakes could not take")
+    p.add_argument("--joins-spread", type=float, default=0.0,
+                   help="the survivors' joins spread evenly over this many seconds, as a "
+                        "silent coordinator's are (each survivor's kernel ends its connection "
+                        "the node timeout after the last keepalive answer it had, those up to "
+                        "a probe interval apart: coordinator.probe_interval, 1 s at 5 s)")
+    p.add_argument("--intakes", type=int, default=0,
+                   help="intake processes sharing the coordinator's port (launcher.intake), "
+                        "on its CPUs")
     args = p.parse_args()
     if args.decider_only:
         decider_table([int(n) for n in args.nodes.split(",")])
@@ -384,8 +406,9 @@ def main():
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # two files a DEALER
     print("| nodes | heartbeats/s | coordinator CPU (thread + I/O) | µs a heartbeat | "
           "takeover: joins sent s | round closed s | its assigns queued s | "
-          "first received s | all received s | CPU s: thread + I/O |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "first received s | all received s | after the last join s | "
+          "CPU s: thread + I/O (+ intakes) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
         with roomy_kernel(n):  # as root, when n needs it: the loopback's backlog, ports, queue
             warmup = membership.beat_interval(0.5, n) if args.warmup is None else args.warmup
@@ -393,14 +416,17 @@ def main():
                                                        coordinator_cpus=args.coordinator_cpus,
                                                        io_threads=args.io_threads, warmup=warmup)
             tk = bench(n, True, 0, cpus, args.connect_at_takeover, args.coordinator_cpus,
-                       args.io_threads, args.joins_first, args.socket_floor)
+                       args.io_threads, args.joins_first, args.socket_floor,
+                       intakes=args.intakes, spread=args.joins_spread)
         beats = "| - | - | - " if hb is None else (
             f"| {hb['heartbeats_per_s']:.0f} | {100 * hb['cpu']:.1f} % "
             f"({100 * hb['coordinator_thread']:.1f} + {100 * hb['zmq_io']:.1f}) | "
             f"{hb['cpu_us_per_heartbeat']:.0f} ")
         print(f"| {n} {beats}| {tk['joins_sent_s']:.2f} | {tk['round_closed_s']:.2f} | "
               f"{tk['assigns_queued_s']:.2f} | {tk['first_assign_s']:.2f} | "
-              f"{tk['all_assigned_s']:.2f} | {tk['thread_cpu_s']:.2f} + {tk['io_cpu_s']:.2f} |",
+              f"{tk['all_assigned_s']:.2f} | {tk['all_assigned_s'] - tk['joins_sent_s']:.2f} | "
+              f"{tk['thread_cpu_s']:.2f} + {tk['io_cpu_s']:.2f}"
+              + (f" (+ {tk['intakes_cpu_s']:.2f})" if args.intakes else "") + " |",
               flush=True)
 
 

@@ -1,0 +1,408 @@
+"""Intake processes: one coordinator port served by several processes.
+
+A takeover at 16,384 nodes costs the coordinator's one thread ~35 µs a node in ZeroMQ
+calls, signatures and msgpack (docs/scale.md), 0.6 s and more where the budget is 0.2. An
+intake process binds the coordinator's port beside it (SO_REUSEPORT: the kernel spreads new
+connections over the processes, so agents still see one port and nothing on the wire
+changes), verifies what its connections send and forwards it in batches over a local
+socket; the coordinator, still the one decider, sends its answers back in batches, which
+the intake writes. An intake that dies is the coordinator's failure (Coordinator.failure):
+its connections are gone, and the job fails over as from any coordinator loss.
+
+Between the coordinator (the hub, a ROUTER on an ipc:// path in a 0700 directory) and an
+intake (a DEALER whose routing id is its index, 1-255), msgpack lists:
+
+    intake -> hub   ["up"]  ["in", [[id, fd, kind, epoch, sid, seq, fields], ...]]
+                    ["closed", [fd, ...]]  ["probed", token, [id, ...]]
+    hub -> intake   ["out", [[0, id, frame, ...] | [1, head, kind, own, [[id, seq, values], ...]],
+                            ...]]  (frames to send; messages to sign first: Codec.sign)
+                    ["probe", token, [id, ...], [frame, ...]]  ["stop"]
+
+In the coordinator a connection's identity is the intake's index byte before its ZeroMQ
+routing id (ZeroMQ's own start with 0), and its descriptor the index << 32 | the intake's.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import msgpack
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from ftlaunch_contract.protocol import Codec, ProtocolError, Verified
+from launcher.coordinator import IntakeLost, bind_router, connection_monitor, pace
+
+log = logging.getLogger("ftlaunch.intake")
+
+BATCH = 1024  # messages an intake forwards in one, at most
+FRAMES, SIGN = 0, 1  # what an "out" entry holds
+STARTUP_TIMEOUT = 30.0  # seconds for every intake to bind and say it is up
+PROBE_TIMEOUT = 2.0  # an intake that does not answer a probe in that long is taken for hung
+
+
+def _pack(value: object) -> bytes:
+    packed: bytes = msgpack.packb(value)
+    return packed
+
+
+def _unpack(data: bytes) -> list:
+    value = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    if not isinstance(value, list) or not value:
+        raise ProtocolError("malformed intake message")
+    return value
+
+
+class Intakes:
+    """The coordinator's side: the hub socket, what its intakes forwarded, their answers."""
+
+    def __init__(self, hub: zmq.Socket, procs: dict[int, subprocess.Popen]):
+        self.hub = hub
+        self._procs = procs
+        self._out: dict[int, list[list]] = collections.defaultdict(list)  # in order: see send
+        self._held: collections.deque[list] = collections.deque()  # read while probing
+        self._token = 0
+
+    def send(self, identity: bytes, frames: list[bytes]) -> None:
+        """Queue ``frames`` to an intake's connection; sent at the next flush()."""
+        self._out[identity[0]].append([FRAMES, identity[1:], *frames])
+
+    def send_signed(self, identity: bytes, head: bytes, kind: str, own: tuple[str, ...],
+                    values: tuple, seq: int) -> None:
+        """Queue one of Codec.reserve()'s messages for the intake to sign (Codec.sign) and
+        send: what a round's assign costs the coordinator's thread is then ~1 µs."""
+        out = self._out[identity[0]]
+        if not out or out[-1][0] != SIGN or out[-1][1] is not head:
+            out.append([SIGN, head, kind, own, []])
+        out[-1][4].append([identity[1:], seq, values])
+
+    def flush(self) -> None:
+        for index, out in self._out.items():
+            if out:
+                self.hub.send_multipart([bytes([index]), _pack(["out", out])])
+        self._out.clear()
+
+    def receive(self, limit: int) -> Iterator[tuple[int, bytes, Verified | None]]:
+        """What the intakes forwarded, up to ``limit`` messages from them: (fd, identity,
+        the message) for a message, (fd, b"", None) for a closed connection."""
+        for _ in range(limit):
+            if self._held:
+                index, msg = self._held.popleft()
+            else:
+                try:
+                    index, msg = self._read(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+            yield from self._events(index, msg)
+
+    def pending(self) -> bool:
+        """Whether something forwarded waits to be received."""
+        return bool(self._held) or bool(self.hub.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    def _read(self, flags: int = 0) -> tuple[int, list]:
+        while True:
+            frames = self.hub.recv_multipart(flags)
+            try:
+                if len(frames) != 2 or len(frames[0]) != 1:
+                    raise ProtocolError("not an intake's")
+                return frames[0][0], _unpack(frames[1])
+            except (ProtocolError, ValueError) as e:
+                log.warning("dropped a message on the intakes' hub: %s", e)
+
+    @staticmethod
+    def _events(index: int, msg: list) -> Iterator[tuple[int, bytes, Verified | None]]:
+        prefix, high = bytes([index]), index << 32
+        if msg[0] == "in":
+            for local, fd, *verified in msg[1]:
+                yield high | fd, prefix + local, verified  # type: ignore[misc]
+        elif msg[0] == "closed":
+            for fd in msg[1]:
+                yield high | fd, b"", None
+
+    def unroutable(self, identities: list[bytes], frames: list[bytes]) -> set[bytes]:
+        """Those of ``identities`` (all of intakes) whose connection closed, as
+        Coordinator._unroutable asks its own socket: each open one gets ``frames``."""
+        self.flush()  # what was sent before the probe goes first
+        asked: dict[int, list[bytes]] = collections.defaultdict(list)
+        for identity in identities:
+            asked[identity[0]].append(identity[1:])
+        self._token += 1
+        for index, local in asked.items():
+            self.hub.send_multipart([bytes([index]), _pack(["probe", self._token, local,
+                                                            frames])])
+        closed: set[bytes] = set()
+        until = time.monotonic() + PROBE_TIMEOUT
+        while asked:
+            if not self.hub.poll(max(1, int((until - time.monotonic()) * 1000))):
+                raise IntakeLost(f"intake(s) {sorted(asked)} did not answer a probe within "
+                                 f"{PROBE_TIMEOUT} s")
+            index, msg = self._read()
+            if msg[0] == "probed" and msg[1] == self._token and index in asked:
+                del asked[index]
+                closed.update(bytes([index]) + local for local in msg[2])
+            elif msg[0] != "probed":  # handled in order, after the probe (receive)
+                self._held.append((index, msg))
+        return closed
+
+    def lost(self) -> str | None:
+        """Which intake process died, if one did."""
+        for index, proc in self._procs.items():
+            if proc.poll() is not None:
+                return f"intake {index} (pid {proc.pid}) exited with {proc.returncode}"
+        return None
+
+
+class Port:
+    """A coordinator's port: served by its own ROUTER (``count`` 0, as a small job needs),
+    or by ``count`` intake processes alone. Then the ROUTER is bound nowhere, and the port is
+    held by a socket bound to it that does not listen (so the kernel gives it no
+    connection), from before the intakes start to after they stop: no other job takes it
+    meanwhile, and a standby's port stays its own while its coordinators come and go."""
+
+    def __init__(self, context: zmq.Context, addr: str, port: int, node_timeout: float,
+                 secret: bytes, count: int = 0, small: bool = False, max_nodes: int = 1):
+        if not 0 <= count <= 255:
+            raise ValueError(f"intakes: {count} (0-255)")
+        self.intakes: Intakes | None = None
+        self._dir = ""
+        self._held: socket.socket | None = None
+        if not count:
+            self.router, self.port = bind_router(context, addr, port, node_timeout, small)
+            return
+        self._held, self.port = held_port(addr, port)
+        self.router = context.socket(zmq.ROUTER)
+        try:
+            self._dir = tempfile.mkdtemp(prefix="ftlaunch-intake-")  # 0700: see the docstring
+            hub = context.socket(zmq.ROUTER)
+            for option in (zmq.SNDHWM, zmq.RCVHWM):
+                hub.setsockopt(option, 0)  # a takeover's batches queue, never dropped
+            hub.setsockopt(zmq.LINGER, 0)
+            link = f"ipc://{self._dir}/hub"
+            hub.bind(link)
+            config = {"addr": addr, "port": self.port, "node_timeout": node_timeout,
+                      "small": small, "link": link, "secret": secret.hex(),
+                      "pace": pace(max_nodes)}
+            procs = {i: _spawn({**config, "index": i}) for i in range(1, count + 1)}
+            self.intakes = Intakes(hub, procs)
+            self._wait_up(hub, set(procs))
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_up(self, hub: zmq.Socket, waiting: set[int]) -> None:
+        until = time.monotonic() + STARTUP_TIMEOUT
+        while waiting:
+            assert self.intakes is not None
+            if lost := self.intakes.lost():
+                raise IntakeLost(f"{lost} before it was up")
+            if hub.poll(100):
+                index, msg = self.intakes._read()
+                if msg == ["up"]:
+                    waiting.discard(index)
+            elif time.monotonic() > until:
+                raise IntakeLost(f"intakes {sorted(waiting)} not up in {STARTUP_TIMEOUT} s")
+
+    def close(self, linger: int | None = None) -> None:
+        if self.intakes is not None:
+            for index in self.intakes._procs:
+                with contextlib.suppress(zmq.ZMQError):
+                    self.intakes.hub.send_multipart([bytes([index]), _pack(["stop"])])
+            for proc in self.intakes._procs.values():
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            self.intakes.hub.close(linger=0)
+            self.intakes = None
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = ""
+        self.router.close(linger=linger)
+        if self._held is not None:
+            self._held.close()
+            self._held = None
+
+
+def held_port(addr: str, port: int) -> tuple[socket.socket, int]:
+    """A socket bound to addr:port (0: any free port), not listening, that intakes may bind
+    beside (coordinator.shared_listener), and the port."""
+    held = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+    try:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind((addr, port))
+    except OSError:
+        held.close()
+        raise
+    return held, held.getsockname()[1]
+
+
+def _spawn(config: dict) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.intake"], stdin=subprocess.PIPE,
+                            close_fds=True, cwd=os.getcwd())
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(config).encode() + b"\n")
+    proc.stdin.close()
+    return proc
+
+
+# --- the intake process ---------------------------------------------------------------------
+
+
+def _die_with_parent(parent: int) -> None:
+    """PR_SET_PDEATHSIG: the agent's death (even SIGKILL) ends its intakes."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the call
+        os._exit(0)
+
+
+def serve(config: dict) -> None:
+    """Serve one share of the port's connections until told to stop."""
+    index = config["index"]
+    context = zmq.Context()
+    router, _ = bind_router(context, config["addr"], config["port"], config["node_timeout"],
+                            config["small"], shared=True)
+    monitor = connection_monitor(router, zmq.EVENT_DISCONNECTED)
+    link = context.socket(zmq.DEALER)
+    link.setsockopt(zmq.ROUTING_ID, bytes([index]))
+    for option in (zmq.SNDHWM, zmq.RCVHWM):
+        link.setsockopt(option, 0)
+    link.setsockopt(zmq.LINGER, 1000)
+    link.connect(config["link"])
+    codec = Codec(bytes.fromhex(config["secret"]))
+    link.send(_pack(["up"]))
+    poller = zmq.Poller()
+    for sock in (router, monitor, link):
+        poller.register(sock, zmq.POLLIN)
+    try:
+        while True:
+            ready = dict(poller.poll(1000))
+            woke = time.monotonic()
+            if monitor in ready:  # first, as the coordinator does: a closed fd may be reused
+                _forward_closes(monitor, link)
+            if router in ready:
+                _forward_messages(router, link, codec)
+            if link in ready and not _answer(link, router, codec):
+                return
+            if ready and (rest := woke + config["pace"] - time.monotonic()) > 0:
+                time.sleep(rest)  # see coordinator.pace: a stream served many at a wake-up
+    finally:
+        router.disable_monitor()
+        for sock in (monitor, router, link):
+            sock.close(linger=0)
+        context.term()
+
+
+def _forward_closes(monitor: zmq.Socket, link: zmq.Socket) -> None:
+    fds = []
+    while True:
+        try:
+            fds.append(recv_monitor_message(monitor, zmq.NOBLOCK)["value"])
+        except zmq.Again:
+            break
+    if fds:
+        link.send(_pack(["closed", fds]))
+
+
+def _forward_messages(router: zmq.Socket, link: zmq.Socket, codec: Codec) -> None:
+    while True:
+        batch = []
+        for _ in range(BATCH):
+            try:
+                parts = [router.recv(zmq.NOBLOCK, copy=False)]
+            except zmq.Again:
+                break
+            while parts[-1].more:
+                parts.append(router.recv(copy=False))
+            try:
+                if len(parts) < 2:
+                    raise ProtocolError("no identity frame")
+                verified = codec.verify([p.bytes for p in parts[1:]])
+            except ProtocolError as e:
+                log.warning("dropped control message: %s", e)
+                continue
+            batch.append([parts[0].bytes, parts[1].get(zmq.SRCFD), *verified])
+        if batch:
+            link.send(_pack(["in", batch]))
+        if len(batch) < BATCH:
+            return
+
+
+def _send(router: zmq.Socket, identity: bytes, frames: list[bytes]) -> None:
+    router.send(identity, zmq.SNDMORE)
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        router.send(frame, zmq.SNDMORE if i < last else 0)
+
+
+def _answer(link: zmq.Socket, router: zmq.Socket, codec: Codec) -> bool:
+    """What the coordinator asked; False once told to stop."""
+    while True:
+        try:
+            msg = _unpack(link.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return True
+        if msg[0] == "stop":
+            return False
+        if msg[0] == "out":
+            for entry in msg[1]:
+                if entry[0] == FRAMES:
+                    _send(router, entry[1], entry[2:])
+                    continue
+                _, head, kind, own, rows = entry
+                for identity, seq, values in rows:
+                    try:
+                        frames = codec.sign(head, kind, own, values, seq)
+                    except ProtocolError as e:  # the coordinator's bug: said, not sent
+                        log.error("not sent: %s", e)
+                        continue
+                    _send(router, identity, frames)
+        elif msg[0] == "probe":
+            _, token, identities, frames = msg
+            link.send(_pack(["probed", token, sorted(_unroutable(router, identities, frames))]))
+
+
+def _unroutable(router: zmq.Socket, identities: list[bytes], frames: list[bytes]) -> set[bytes]:
+    """Coordinator._unroutable's probe, on this intake's socket."""
+    closed = set()
+    router.getsockopt(zmq.EVENTS)  # reads the socket's pending commands (see there)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    try:
+        for identity in identities:
+            try:
+                router.send_multipart([identity, *frames], zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                if e.errno == zmq.EHOSTUNREACH:
+                    closed.add(identity)
+    finally:
+        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    return closed
+
+
+def main() -> None:
+    parent = os.getppid()
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent stops it (or its death does)
+    config = json.loads(sys.stdin.readline())
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"[intake {config['index']}] %(levelname)s %(message)s")
+    serve(config)
+
+
+if __name__ == "__main__":
+    main()
