@@ -141,6 +141,10 @@ class LaunchConfig:
                                "coordinator, is declared lost.", group=RECOVERY)
     heartbeat_interval: float = _opt(0.5, "Seconds between control-plane heartbeats.",
                                      group=RECOVERY)
+    intakes: int = _opt(0, "Processes that serve this node's standby port beside its agent, "
+                        "should it take over the coordinator: they verify what thousands of "
+                        "agents send and sign the answers (see docs/scale.md); 0 = the agent "
+                        "alone, as a job of fewer than ~4,096 nodes needs.", group=RECOVERY)
     secret_file: str | None = _opt(None, "File holding the job's control-plane secret (or set "
                                    "FTLAUNCH_SECRET); single-node jobs generate one.",
                                    group=GENERAL)
@@ -315,9 +319,12 @@ class LaunchConfig:
             raise UsageError("--module and --no-python cannot be used together; drop one")
         self.section_timeout_map()
         for name in ("max_restarts", "node_rank", "master_port", "max_stalled_recoveries",
-                     "ckpt_replicas", "replica_bandwidth"):
+                     "ckpt_replicas", "replica_bandwidth", "intakes"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.intakes > 255:
+            raise UsageError(f"--intakes {self.intakes}: at most 255; use about one a core "
+                             "the coordinator's node can spare")
         if self.master_port > 65535:
             raise UsageError(f"--master-port {self.master_port} is not a TCP port; use 1..65535 or 0")
         if self.heartbeat_interval <= 0 or self.node_timeout <= self.heartbeat_interval:

@@ -40,6 +40,7 @@ from launcher.coordinator import (
     keep_alive,
     went_silent,
 )
+from launcher.intake import Port
 from launcher.peer_probe import Knocks, Probe, Verdict, no_death
 
 log = logging.getLogger("ftlaunch.control")
@@ -102,7 +103,7 @@ class ControlPlane:
 
     def __init__(self, context: zmq.Context, secret: bytes, node_id: str, addr: str,
                  endpoint: tuple[str, int] | None, new_state: Callable[[], JobState],
-                 node_timeout: float, heartbeat_interval: float):
+                 node_timeout: float, heartbeat_interval: float, intakes: int = 0):
         self._context, self._secret = context, secret
         self.node_id, self.addr = node_id, addr
         self._new_state = new_state
@@ -115,9 +116,9 @@ class ControlPlane:
         self.codec = Codec(secret)
         self.coordinator: Coordinator | None = None
         self._redirecting: Coordinator | None = None  # see _host
-        self.standby: zmq.Socket | None
-        self.standby, self.standby_port = bind_router(context, addr, 0, node_timeout,
-                                                      small=not self._watching)
+        self.standby: Port | None = Port(context, addr, 0, node_timeout, secret, intakes,
+                                         small=not self._watching, max_nodes=max_nodes)
+        self.standby_port = self.standby.port
         # Every agent keeps a connection open to the coordinator's first successor (see
         # _prepare_takeover): ours may be the standby the whole job connects to.
         room_for_connections(new_state().max_nodes, self._watching)
@@ -208,7 +209,7 @@ class ControlPlane:
         state.host_node = self.node_id
         return state
 
-    def _host(self, sock: zmq.Socket, state: JobState, takeover: str | None = None,
+    def _host(self, sock: zmq.Socket | Port, state: JobState, takeover: str | None = None,
               predecessors: tuple[str, ...] = ()) -> None:
         """``takeover``: as a successor, which also tells the rendezvous endpoint where the
         job now runs (whatever comes up there next is sent here), and ``predecessors`` that
@@ -527,7 +528,9 @@ class ControlPlane:
         entry = next(m for m in self.members if m.node_id == successor)
         if successor == self.node_id and self.standby is None and self.coordinator is not None \
                 and self.coordinator.stood_down:  # we took over once, from inside a partition
-            self.standby, self.coordinator = self.coordinator.release(), None
+            standby, self.coordinator = self.coordinator.release(), None
+            assert isinstance(standby, Port)  # a successor's: hosted on our standby
+            self.standby = standby
         if successor == self.node_id and self.standby is not None:
             state = self.new_state_for_host()
             state.epoch, state.restart_count = epoch, restart_count

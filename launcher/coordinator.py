@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -62,7 +62,7 @@ from launcher.commits import CommitLog
 from launcher.peer_probe import Knocks, Probe, Verdict, no_death
 
 if TYPE_CHECKING:
-    from launcher.intake import Intakes
+    from launcher.intake import Intakes, Port
 
 log = logging.getLogger("ftlaunch.coordinator")
 
@@ -116,7 +116,9 @@ class Seats(Mapping[str, Assign]):
 
     def __getitem__(self, node: str) -> Assign:
         assert self.template is not None
-        return replace(self.template, **dict(zip(Assign.SEAT, self.seats[node], strict=True)))
+        group_rank, rank_offset, replicate_to, fetch = self.seats[node]
+        return replace(self.template, group_rank=group_rank, rank_offset=rank_offset,
+                       replicate_to=replicate_to, fetch=fetch)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.seats)
@@ -313,18 +315,19 @@ def shared_listener(addr: str, port: int) -> tuple[int, int]:
 class Coordinator:
     """Serves one job on a bound ROUTER socket from a background thread."""
 
-    def __init__(self, sock: zmq.Socket, secret: bytes, state: JobState,
+    def __init__(self, sock: zmq.Socket | Port, secret: bytes, state: JobState,
                  takeover_cause: str | None = None,
-                 announce: tuple[tuple[str, ...], Redirect] | None = None,
-                 intakes: Intakes | None = None):
-        """``intakes``: processes serving a share of the port's connections (launcher.intake).
+                 announce: tuple[tuple[str, ...], Redirect] | None = None):
+        """``sock``: a bound ROUTER, or a Port whose intake processes serve its connections
+        (launcher.intake); release() gives it back.
         ``announce``: (endpoints, where we are): a successor tells whatever comes up at the
         rendezvous endpoint (a re-created pod 0, a restarted agent) that the job runs here,
         and a predecessor that went silent (maybe cut off, and holding the tie of a round)."""
         self._codec = Codec(secret)
         self._state = state
-        self._socket = sock
-        self._intakes = intakes
+        self._port = sock
+        self._socket = cast(zmq.Socket, getattr(sock, "router", sock))  # (a Port's)
+        self._intakes = cast("Intakes | None", getattr(sock, "intakes", None))
         self._stopping = threading.Event()
         self._handed_over = threading.Event()  # see wait_handed_over()
         self._failure: str | None = None  # see failure
@@ -351,7 +354,7 @@ class Coordinator:
         self._ack: tuple[tuple[int, int, int], list[bytes], set[bytes]] | None = None  # _send_ack
         self._pace = pace(state.max_nodes)
         for endpoint in announce[0] if announce else ():
-            announcer = sock.context.socket(zmq.DEALER)
+            announcer = self._socket.context.socket(zmq.DEALER)
             announcer.setsockopt(zmq.LINGER, 0)
             announcer.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued while no one is there
             announcer.connect(endpoint)
@@ -381,7 +384,7 @@ class Coordinator:
         s = self._state
         return Envelope(s.epoch, s.redirect) if self.stood_down and s.redirect else None
 
-    def release(self) -> zmq.Socket:
+    def release(self) -> zmq.Socket | Port:
         """Stop serving; the bound socket is the caller's (a standby that may host again)."""
         self._stopping.set()
         if self._thread.ident is not None:  # (started)
@@ -391,7 +394,7 @@ class Coordinator:
         self._announcers.clear()
         if self._intakes is not None:
             self._intakes.flush()
-        return self._socket
+        return self._port
 
     @property
     def failure(self) -> str | None:
@@ -468,6 +471,8 @@ class Coordinator:
                 next_tick = time.monotonic() + TICK_SECONDS
                 try:
                     self._tick(time.monotonic())
+                except IntakeLost:
+                    raise
                 except Exception:
                     log.exception("coordinator tick failed")
                 self._announce()
@@ -655,9 +660,11 @@ class Coordinator:
                     self._closed(fd)
                     continue
                 try:
-                    self._heard(identity, fd, self._codec.accept(verified))
-                except Exception as e:  # (a bug's, as in _drain_socket)
+                    received = self._codec.accept(verified)
+                except Exception as e:  # a replay (or a bug's: as in _drain_socket)
                     log.warning("dropped control message: %s", e)
+                    continue
+                self._heard(identity, fd, received)
             emptied = emptied and not self._intakes.pending()
         return emptied
 
@@ -688,6 +695,8 @@ class Coordinator:
             self._heard_after_close.add(identity)
         try:
             self._handle(identity, received, time.monotonic())
+        except IntakeLost:
+            raise
         except Exception:  # a bug must not silently stop the job's only decider
             log.exception("coordinator failed to handle a message")
 

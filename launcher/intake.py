@@ -12,8 +12,9 @@ its connections are gone, and the job fails over as from any coordinator loss.
 Between the coordinator (the hub, a ROUTER on an ipc:// path in a 0700 directory) and an
 intake (a DEALER whose routing id is its index, 1-255), msgpack lists:
 
-    intake -> hub   ["up"]  ["in", [[id, fd, kind, epoch, sid, seq, fields], ...]]
-                    ["closed", [fd, ...]]  ["probed", token, [id, ...]]
+    intake -> hub   ["up"]  ["in", [fd, ...], [[id, fd, kind, epoch, sid, seq, fields], ...]]
+                    (connections closed, read first, then messages: see _forward)
+                    ["probed", token, [id, ...]]
     hub -> intake   ["out", [[0, id, frame, ...] | [1, head, kind, own, [[id, seq, values], ...]],
                             ...]]  (frames to send; messages to sign first: Codec.sign)
                     ["probe", token, [id, ...], [frame, ...]]  ["stop"]
@@ -73,7 +74,7 @@ class Intakes:
         self.hub = hub
         self._procs = procs
         self._out: dict[int, list[list]] = collections.defaultdict(list)  # in order: see send
-        self._held: collections.deque[list] = collections.deque()  # read while probing
+        self._held: collections.deque[tuple[int, list]] = collections.deque()  # while probing
         self._token = 0
 
     def send(self, identity: bytes, frames: list[bytes]) -> None:
@@ -110,7 +111,7 @@ class Intakes:
 
     def pending(self) -> bool:
         """Whether something forwarded waits to be received."""
-        return bool(self._held) or bool(self.hub.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        return bool(self._held) or bool(int(self.hub.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def _read(self, flags: int = 0) -> tuple[int, list]:
         while True:
@@ -126,11 +127,10 @@ class Intakes:
     def _events(index: int, msg: list) -> Iterator[tuple[int, bytes, Verified | None]]:
         prefix, high = bytes([index]), index << 32
         if msg[0] == "in":
-            for local, fd, *verified in msg[1]:
-                yield high | fd, prefix + local, verified  # type: ignore[misc]
-        elif msg[0] == "closed":
             for fd in msg[1]:
                 yield high | fd, b"", None
+            for local, fd, *verified in msg[2]:
+                yield high | fd, prefix + local, verified
 
     def unroutable(self, identities: list[bytes], frames: list[bytes]) -> set[bytes]:
         """Those of ``identities`` (all of intakes) whose connection closed, as
@@ -293,10 +293,8 @@ def serve(config: dict) -> None:
         while True:
             ready = dict(poller.poll(1000))
             woke = time.monotonic()
-            if monitor in ready:  # first, as the coordinator does: a closed fd may be reused
-                _forward_closes(monitor, link)
-            if router in ready:
-                _forward_messages(router, link, codec)
+            if monitor in ready or router in ready:
+                _forward(monitor, router, link, codec)
             if link in ready and not _answer(link, router, codec):
                 return
             if ready and (rest := woke + config["pace"] - time.monotonic()) > 0:
@@ -308,18 +306,16 @@ def serve(config: dict) -> None:
         context.term()
 
 
-def _forward_closes(monitor: zmq.Socket, link: zmq.Socket) -> None:
+def _forward(monitor: zmq.Socket, router: zmq.Socket, link: zmq.Socket, codec: Codec) -> None:
+    """The closes reported, then the messages queued, in one: as the coordinator reads its
+    own socket (a closed descriptor may be reused; a close may come before the last words
+    on it, which are queued by then), so that what it takes for an emptied queue is one."""
     fds = []
     while True:
         try:
             fds.append(recv_monitor_message(monitor, zmq.NOBLOCK)["value"])
         except zmq.Again:
             break
-    if fds:
-        link.send(_pack(["closed", fds]))
-
-
-def _forward_messages(router: zmq.Socket, link: zmq.Socket, codec: Codec) -> None:
     while True:
         batch = []
         for _ in range(BATCH):
@@ -337,8 +333,9 @@ def _forward_messages(router: zmq.Socket, link: zmq.Socket, codec: Codec) -> Non
                 log.warning("dropped control message: %s", e)
                 continue
             batch.append([parts[0].bytes, parts[1].get(zmq.SRCFD), *verified])
-        if batch:
-            link.send(_pack(["in", batch]))
+        if batch or fds:
+            link.send(_pack(["in", fds, batch]))
+            fds = []
         if len(batch) < BATCH:
             return
 

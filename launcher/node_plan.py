@@ -88,7 +88,7 @@ class NodePlan:
     def control_plane(self, context: zmq.Context) -> ControlPlane:
         return ControlPlane(context, self.secret, self.node_id, self.addr, self.endpoint,
                             self.job_state, self.config.node_timeout,
-                            self.config.heartbeat_interval)
+                            self.config.heartbeat_interval, self.config.intakes)
 
     def store_port(self) -> int:
         """Torch's store port for an attempt: the user's --master-port, or any."""

@@ -70,7 +70,7 @@ def host(n, takeover, conn, cpus, io_threads=1, joins_first=False, intakes=0):
     logging.getLogger("ftlaunch").setLevel(logging.ERROR)  # the agents' exits at the end
     shared = Port(zmq.Context(io_threads=io_threads), "127.0.0.1", 0, NODE_TIMEOUT, SECRET,
                   intakes, max_nodes=n)
-    sock, port = shared.router, shared.port
+    port = shared.port
     s = state(n)
     now = time.monotonic()
     if takeover:  # what fail_over gives it: the named successors, how many survived
@@ -88,8 +88,7 @@ def host(n, takeover, conn, cpus, io_threads=1, joins_first=False, intakes=0):
         conn.send((port, None))
         conn.recv()
         now = time.monotonic()
-    coordinator = Coordinator(sock, SECRET, s, "coordinator node lost" if takeover else None,
-                              intakes=shared.intakes)
+    coordinator = Coordinator(shared, SECRET, s, "coordinator node lost" if takeover else None)
     pids = [p.pid for p in shared.intakes._procs.values()] if shared.intakes else []
     round_times = []  # the round closed, its assigns queued: the coordinator thread's share
     complete = coordinator._complete_round

@@ -72,6 +72,7 @@ VALID = {
     "exit_barrier_timeout": 100.0,
     "node_timeout": 3.0,
     "heartbeat_interval": 0.25,
+    "intakes": 4,
     "secret_file": "/tmp/ftlaunch-secret",
     "metrics_port": 9400,
     "config": None,  # filled per test with a real file
@@ -491,6 +492,8 @@ def test_validate_accepts_defaults_and_auto():
     ({"stop_timeout": -1.0}, "--stop-timeout"),
     ({"ckpt_replicas": -1}, "--ckpt-replicas"),
     ({"replica_bandwidth": -5.0}, "--replica-bandwidth"),
+    ({"intakes": -1}, "--intakes"),
+    ({"intakes": 256}, "--intakes"),
     ({"exit_barrier_timeout": -1.0}, "--exit-barrier-timeout"),
     ({"monitor_interval": -1.0}, "--monitor-interval"),
     ({"restart_policy": "warm"}, "--restart-policy"),

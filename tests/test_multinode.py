@@ -128,7 +128,8 @@ def test_lost_node_is_acted_on_and_survivor_finishes(tmp_path, launch):
     assert "start rank 0 world 1" in coordinator_node.output  # re-formed with the node left
 
 
-def test_coordinator_loss_successor_takes_over(tmp_path, launch):
+@pytest.mark.parametrize("intakes", [0, 2], ids=["agent alone", "two intakes"])
+def test_coordinator_loss_successor_takes_over(tmp_path, launch, intakes):
     """The coordinator's node's processes SIGKILLed (its agent, rank template and rank, at
     once, as when its machine kills them): its connection closes, and the successor takes
     over at once, not after --node-timeout (60 s here; the wait below is a hang guard).
@@ -138,15 +139,21 @@ def test_coordinator_loss_successor_takes_over(tmp_path, launch):
     end of a chain of deaths (agent, template, rank, each unmapping its memory before its
     sockets close): on a loaded machine after the shim's window for a rank that does not
     leave its training function (0.13 s here), so the survivor, still in the barrier, was
-    rightly replaced, not resumed in place, and the last assert failed (1 run in ~8)."""
+    rightly replaced, not resumed in place, and the last assert failed (1 run in ~8).
+
+    With --intakes the successor's standby port is served by intake processes
+    (launcher.intake): the takeover goes through them, and they end with their agent."""
     port = _free_port()
-    slow = ["--node-timeout", "60"]  # after FAST_LIVENESS: the last one counts
+    slow = ["--node-timeout", "60", "--intakes", str(intakes)]  # after FAST_LIVENESS: wins
     args = [*_train_args(tmp_path), "--shim"]  # re-enterable: a survivor resumes in place
     coordinator_node = _node(launch, port, "1:2", *args, extra=slow)
     _wait_listening(port)
     worker_node = _node(launch, port, "1:2", *args, extra=slow)
     for run in (coordinator_node, worker_node):
         run.wait_for(r"step 25 ")
+    standby_servers = [p for p in psutil.Process(worker_node.proc.pid).children()
+                       if "launcher.intake" in p.cmdline()]
+    assert len(standby_servers) == intakes
     node = psutil.Process(coordinator_node.proc.pid)
     for proc in [node, *node.children(recursive=True)]:
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -162,6 +169,7 @@ def test_coordinator_loss_successor_takes_over(tmp_path, launch):
     # the successor: its process was not stopped and started again.
     assert re.search(r"ranks back [\d.]+s after the failure \(decide .*; ranks resumed \[\d\]\)",
                      worker_node.output), worker_node.output
+    assert not [p for p in standby_servers if p.is_running() and p.status() != "zombie"]
 
 
 @needs_ss_kill

@@ -85,15 +85,19 @@ def _until(check: Callable[[], bool], what: str) -> None:
         time.sleep(0.02)
 
 
-def test_survivors_follow_the_successor_on_a_connection_opened_before_the_coordinator_died():
+@pytest.mark.parametrize("intakes", [0, 2], ids=["agent alone", "two intakes"])
+def test_survivors_follow_the_successor_on_a_connection_opened_before_the_coordinator_died(
+        intakes):
+    """With --intakes, the standby's connections are its intake processes' (launcher.intake):
+    the same takeover, served through them."""
     with socket.socket() as probe:  # closed at once (a ZeroMQ socket lets go of it later)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     ctx = zmq.Context()
     a = ControlPlane(ctx, SECRET, "node-a:1", "127.0.0.1", ("127.0.0.1", port), _state,
-                     NODE_TIMEOUT, 0.5)
+                     NODE_TIMEOUT, 0.5, intakes)
     b = ControlPlane(ctx, SECRET, "node-b:1", "127.0.0.1", ("127.0.0.1", port), _state,
-                     NODE_TIMEOUT, 0.5)
+                     NODE_TIMEOUT, 0.5, intakes)
     try:
         assert a.hosting and not b.hosting, "node a binds the endpoint, as node 0 does"
         _join(a, 0, -1)
