@@ -103,7 +103,10 @@ class ControlPlane:
 
     def __init__(self, context: zmq.Context, secret: bytes, node_id: str, addr: str,
                  endpoint: tuple[str, int] | None, new_state: Callable[[], JobState],
-                 node_timeout: float, heartbeat_interval: float, intakes: int = 0):
+                 node_timeout: float, heartbeat_interval: float, intakes: int = 0,
+                 runtime_dir: str | None = None):
+        """``intakes``: processes serving our standby port (launcher.intake), whose local
+        socket lives in ``runtime_dir`` (private: the agent's staging directory)."""
         self._context, self._secret = context, secret
         self.node_id, self.addr = node_id, addr
         self._new_state = new_state
@@ -117,7 +120,8 @@ class ControlPlane:
         self.coordinator: Coordinator | None = None
         self._redirecting: Coordinator | None = None  # see _host
         self.standby: Port | None = Port(context, addr, 0, node_timeout, secret, intakes,
-                                         small=not self._watching, max_nodes=max_nodes)
+                                         small=not self._watching, max_nodes=max_nodes,
+                                         directory=runtime_dir)
         self.standby_port = self.standby.port
         # Every agent keeps a connection open to the coordinator's first successor (see
         # _prepare_takeover): ours may be the standby the whole job connects to.

@@ -9,7 +9,8 @@ socket; the coordinator, still the one decider, sends its answers back in batche
 the intake writes. An intake that dies is the coordinator's failure (Coordinator.failure):
 its connections are gone, and the job fails over as from any coordinator loss.
 
-Between the coordinator (the hub, a ROUTER on an ipc:// path in a 0700 directory) and an
+Between the coordinator (the hub, a ROUTER on an ipc:// path in a 0700 directory: the agent's
+staging directory, which the next agent on the host sweeps should this one be killed) and an
 intake (a DEALER whose routing id is its index, 1-255), msgpack lists:
 
     intake -> hub   ["up"]  ["in", [fd, ...], [[id, fd, kind, epoch, sid, seq, fields], ...]]
@@ -173,7 +174,10 @@ class Port:
     meanwhile, and a standby's port stays its own while its coordinators come and go."""
 
     def __init__(self, context: zmq.Context, addr: str, port: int, node_timeout: float,
-                 secret: bytes, count: int = 0, small: bool = False, max_nodes: int = 1):
+                 secret: bytes, count: int = 0, small: bool = False, max_nodes: int = 1,
+                 directory: str | None = None):
+        """``directory``: private (0700), for the hub's socket (default: one of its own,
+        removed at close())."""
         if not 0 <= count <= 255:
             raise ValueError(f"intakes: {count} (0-255)")
         self.intakes: Intakes | None = None
@@ -185,12 +189,13 @@ class Port:
         self._held, self.port = held_port(addr, port)
         self.router = context.socket(zmq.ROUTER)
         try:
-            self._dir = tempfile.mkdtemp(prefix="ftlaunch-intake-")  # 0700: see the docstring
+            if directory is None:
+                directory = self._dir = tempfile.mkdtemp(prefix="ftlaunch-intake-")  # 0700
             hub = context.socket(zmq.ROUTER)
             for option in (zmq.SNDHWM, zmq.RCVHWM):
                 hub.setsockopt(option, 0)  # a takeover's batches queue, never dropped
             hub.setsockopt(zmq.LINGER, 0)
-            link = f"ipc://{self._dir}/hub"
+            link = f"ipc://{directory}/intakes-{self.port}"
             hub.bind(link)
             config = {"addr": addr, "port": self.port, "node_timeout": node_timeout,
                       "small": small, "link": link, "secret": secret.hex(),

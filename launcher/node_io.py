@@ -94,7 +94,9 @@ class NodeIO:
         if self.template is not None:
             self.template.start()
         self.context = zmq.Context()
-        self.control = plan.control_plane(self.context)
+        self._job_key = plan.job_key
+        self.staging_dir = staging.create_dir(plan.job_key)  # staging that outlives ranks
+        self.control = plan.control_plane(self.context, str(self.staging_dir))
         self.runtime = RuntimeRecord(plan.run_id, plan.node_id, plan.secret,  # ftlaunch status
                                      plan.log_dir / "events.jsonl")
         self._attempt_env = attempt_env  # the agent's variables of the attempt starting
@@ -106,8 +108,6 @@ class NodeIO:
                                    for sig in config.signals()}
         self.health, why = HealthMonitor.start(config.health_interval)
         self.events.emit("gpu_health_monitor", why, active=self.health is not None)
-        self._job_key = plan.job_key
-        self.staging_dir = staging.create_dir(plan.job_key)  # staging that outlives ranks
         self.hub = RankHub(self.context, self.staging_dir)
         self.replicas = replica_service.ReplicaService(
             self.context, plan.secret, plan.node_id, plan.addr, self.staging_dir,

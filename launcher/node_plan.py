@@ -85,10 +85,10 @@ class NodePlan:
                         max_stalled=c.max_stalled_recoveries, healthy_after=c.healthy_interval,
                         replicas=c.ckpt_replicas, run_id=self.run_id)
 
-    def control_plane(self, context: zmq.Context) -> ControlPlane:
+    def control_plane(self, context: zmq.Context, runtime_dir: str) -> ControlPlane:
         return ControlPlane(context, self.secret, self.node_id, self.addr, self.endpoint,
                             self.job_state, self.config.node_timeout,
-                            self.config.heartbeat_interval, self.config.intakes)
+                            self.config.heartbeat_interval, self.config.intakes, runtime_dir)
 
     def store_port(self) -> int:
         """Torch's store port for an attempt: the user's --master-port, or any."""

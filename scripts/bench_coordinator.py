@@ -288,7 +288,7 @@ def answer(conn, timeout=300):
 
 def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus=1,
           io_threads=1, joins_first=False, socket_floor=False, warmup=0.0, intakes=0,
-          spread=0.0):
+          spread=0.0, agent_procs=1):
     """``cpus``: the first ``coordinator_cpus`` for the coordinator, the others for the
     agents."""
     spawn = mp.get_context("spawn")
@@ -301,7 +301,7 @@ def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus
     here.send("ready")
     port, thread_id = answer(here)
     ids = list(range(1, n) if takeover else range(n))
-    procs = -(-len(ids) // AGENTS_PER_PROCESS)
+    procs = max(agent_procs, -(-len(ids) // AGENTS_PER_PROCESS))
     swarms = []
     for k in range(procs):
         mine, theirs = mp.Pipe()
@@ -386,6 +386,10 @@ def main():
                         "silent coordinator's are (each survivor's kernel ends its connection "
                         "the node timeout after the last keepalive answer it had, those up to "
                         "a probe interval apart: coordinator.probe_interval, 1 s at 5 s)")
+    p.add_argument("--agent-procs", type=int, default=1,
+                   help="processes the simulated agents are spread over, at least (more "
+                        "where a process would hold over 6,000): on a many-core host, so "
+                        "that their receiving is not what a takeover's time measures")
     p.add_argument("--intakes", type=int, default=0,
                    help="intake processes sharing the coordinator's port (launcher.intake), "
                         "on its CPUs")
@@ -416,7 +420,8 @@ def main():
                                                        io_threads=args.io_threads, warmup=warmup)
             tk = bench(n, True, 0, cpus, args.connect_at_takeover, args.coordinator_cpus,
                        args.io_threads, args.joins_first, args.socket_floor,
-                       intakes=args.intakes, spread=args.joins_spread)
+                       intakes=args.intakes, spread=args.joins_spread,
+                       agent_procs=args.agent_procs)
         beats = "| - | - | - " if hb is None else (
             f"| {hb['heartbeats_per_s']:.0f} | {100 * hb['cpu']:.1f} % "
             f"({100 * hb['coordinator_thread']:.1f} + {100 * hb['zmq_io']:.1f}) | "

@@ -308,6 +308,7 @@ class Options:
     verbose: bool = False
     overlap: bool = False  # saves copied beside the next step (AsyncCheckpointer overlap=True)
     netns: bool = False  # every node in a network namespace even if no network fault is drawn
+    intakes: int = 0  # --intakes: processes serving each agent's standby port (launcher.intake)
 
     @property
     def in_netns(self) -> bool:
@@ -446,6 +447,7 @@ class Job:
                "--node-timeout", f"{NODE_TIMEOUT:g}", "--heartbeat-interval", "0.2", "--hang-timeout", "4",
                "--max-restarts", str(self.budget()), "--restart-backoff", "0",
                "--log-dir", str(self.work / "logs" / f"agent{n}"),
+               *(["--intakes", str(self.opts.intakes)] if self.opts.intakes else []),
                *self.opts.train_args(self.work)]
         node = self._place() if self.cluster is not None else None
         proc = subprocess.Popen(node.command(cmd) if node else cmd, cwd=self.work, env=self.env,
@@ -674,6 +676,17 @@ def wait_recovered(job: Job, injected: Injected, timeout: float = 120) -> None:
         job.starts[-1].append(job.spare(len(job.out.lines)))
 
 
+def restarted_since(job: Job, at: int) -> int:
+    """Where the next fault's wait for a step starts: at the first ranks started since line
+    ``at`` (the recovery's), else now. Not at the recovery's end: the job may have trained up
+    to its hold before the last step by then (a cut node healed and rejoined after three
+    partitions in a row: chaos seed 5701's runner waited for a step that never came)."""
+    try:
+        return job.out.wait(START.pattern, at, timeout=0)[0]
+    except (TimeoutError, EOFError):
+        return len(job.out.lines)
+
+
 def held(job: Job, since: float) -> bool:
     """Whether a coordinator said since then that it holds its round for nodes cut off."""
     with job.out.cond:
@@ -752,9 +765,10 @@ def run_job(opts: Options, work: Path) -> Run:
                     if not job.alive():
                         break  # the job ended (the budget spent)
                     raise
+                at = len(job.out.lines)
                 injected.append(inject(job, fault))
                 wait_recovered(job, injected[-1])
-                mark = len(job.out.lines)
+                mark = restarted_since(job, at)
             # The faults are over: the job's last steps need no pacing, nor holding.
             (work / "chaos" / "unpaced").touch()
             for proc in job.alive():
@@ -954,6 +968,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="this many runs, seeds from --seed on; prints a table")
     p.add_argument("--work", type=Path, default=None, help="the run's directory (kept)")
     p.add_argument("--verbose", action="store_true", help="echo the job's output")
+    p.add_argument("--intakes", type=int, default=0,
+                   help="each agent's --intakes: a successor's standby served by that many "
+                        "processes (launcher.intake)")
     args = p.parse_args(argv)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if unknown := set(kinds) - set(ALL_KINDS):
@@ -963,7 +980,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in range(args.seed, args.seed + max(1, args.campaign)):
         opts = Options(seed, args.faults, args.nodes, args.nproc, args.fsdp, kinds, args.budget,
                        args.work if not args.campaign else None, args.verbose,
-                       args.overlap_ckpt, args.netns)
+                       args.overlap_ckpt, args.netns, args.intakes)
         try:
             run, verdict = one_run(opts)
         except Exception as e:  # the runner's own failure: this run counts as broken

@@ -9,7 +9,9 @@
 #    agents): its heartbeat CPU and a takeover's round, on one core, on two, and on four with
 #    three ZeroMQ I/O threads (do more I/O threads spread a takeover's 16,383 writes?), and
 #    a takeover whose joins were queued before the successor served (a cluster's order),
-#    and the same takeover's messages alone (--socket-floor: what ZeroMQ costs a node);
+#    the same takeover's messages alone (--socket-floor: what ZeroMQ costs a node), and the
+#    takeover on 8 cores with and without 6 intake processes (launcher.intake), its joins
+#    queued first and spread over 1 s as a silent coordinator's are;
 # 6. 16,384 simulated agents end to end (bench_rendezvous.py: formed, ready, the coordinator's
 #    CPU, node loss, a dead agent, coordinator failover), the targets at that size.
 # STEPS picks some (default all): the lent machines allow 10 minutes a command, so there
@@ -74,12 +76,14 @@ if step 5 && [ "$(nproc)" -ge 8 ]; then
       --coordinator-cpus "$cpus" --io-threads "$io" 2>&1 \
       | tee "$OUT/coordinator_16384_cpus${cpus}_io$io.txt"
   done
-  for shape in 2:1 4:3; do  # the takeover's share with its I/O spread over more threads
-    cpus="${shape%:*}" io="${shape#*:}"
-    echo "coordinator CPUs $cpus, I/O threads $io" | tee -a "$OUT/coordinator_16384_joins_first.txt"
-    timeout 300 "$PY" scripts/bench_coordinator.py --nodes 16384 --takeover-only --joins-first \
-      --coordinator-cpus "$cpus" --io-threads "$io" 2>&1 \
-      | tee -a "$OUT/coordinator_16384_joins_first.txt"
+  for intakes in 0 6; do  # the takeover's per-node work over processes: docs/scale.md
+    for order in --joins-first "--joins-spread 1"; do
+      echo "coordinator CPUs 8, intakes $intakes, $order" \
+        | tee -a "$OUT/coordinator_16384_joins_first.txt"
+      timeout 200 "$PY" scripts/bench_coordinator.py --nodes 16384 --takeover-only $order \
+        --coordinator-cpus 8 --intakes "$intakes" --agent-procs $(( $(nproc) - 8 )) 2>&1 \
+        | tee -a "$OUT/coordinator_16384_joins_first.txt"
+    done
   done
   echo "socket floor, coordinator CPUs 2" | tee -a "$OUT/coordinator_16384_joins_first.txt"
   timeout 300 "$PY" scripts/bench_coordinator.py --nodes 16384 --socket-floor \
