@@ -287,8 +287,12 @@ class Agent:
     def _on_recover(self, msg: messages.Recover) -> None:
         # The next attempt's count: our join carries it, should the coordinator go meanwhile.
         self.restart_count = max(self.restart_count, msg.restart_count)
-        verdict = node_policy.recover_action(self.phase, self.draining)
-        if verdict.action == OrderAction.LEAVE:
+        verdict = node_policy.recover_action(self.phase, self.draining,
+                                             seated=self.assignment is not None)
+        if verdict.action == OrderAction.REJOIN:
+            log.info("%s (%s)", verdict.reason, msg.cause)
+            self._send_join()
+        elif verdict.action == OrderAction.LEAVE:
             self._leave_unhealthy(self.draining)
         elif verdict.action == OrderAction.DEFER:
             self.deferred = msg

@@ -197,7 +197,8 @@ class Port:
             hub.setsockopt(zmq.LINGER, 0)
             link = f"ipc://{directory}/intakes-{self.port}"
             hub.bind(link)
-            config = {"addr": addr, "port": self.port, "node_timeout": node_timeout,
+            config = {"parent": os.getpid(), "addr": addr, "port": self.port,
+                      "node_timeout": node_timeout,
                       "small": small, "link": link, "secret": secret.hex(),
                       "pace": pace(max_nodes)}
             procs = {i: _spawn({**config, "index": i}) for i in range(1, count + 1)}
@@ -397,10 +398,9 @@ def _unroutable(router: zmq.Socket, identities: list[bytes], frames: list[bytes]
 
 
 def main() -> None:
-    parent = os.getppid()
-    _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent stops it (or its death does)
-    config = json.loads(sys.stdin.readline())
+    config = json.loads(sys.stdin.readline())  # (an agent dead before it wrote: EOF, an error)
+    _die_with_parent(config["parent"])
     logging.basicConfig(level=logging.WARNING,
                         format=f"[intake {config['index']}] %(levelname)s %(message)s")
     serve(config)

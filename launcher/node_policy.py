@@ -148,6 +148,7 @@ def gpu_finding_action(severity: str, finding: str, draining: bool) -> GpuVerdic
 
 class OrderAction(StrEnum):
     RECOVER = "recover"  # park or stop the ranks, back off, re-join
+    REJOIN = "rejoin"  # no ranks: only join again
     LEAVE = "leave"  # a drain was pending: this recovery is the moment to leave
     DEFER = "defer"  # ranks are being stopped: take the order when they are gone
     IGNORE = "ignore"
@@ -159,10 +160,17 @@ class OrderVerdict:
     reason: str
 
 
-def recover_action(phase: Phase, draining: str) -> OrderVerdict:
-    """What a coordinator's ``recover`` order makes this node do, in ``phase``."""
+def recover_action(phase: Phase, draining: str, seated: bool = True) -> OrderVerdict:
+    """What a coordinator's ``recover`` order makes this node do, in ``phase``; ``seated``:
+    it was ever assigned ranks."""
     if phase in (Phase.LEAVING, Phase.DONE):
         return OrderVerdict(OrderAction.IGNORE, f"leaving already ({phase})")
+    if not seated and phase == Phase.JOINING:
+        # A spare that followed a coordinator which stood down: its heartbeat reached the
+        # job's coordinator before its join and was answered "dropped, re-join" (chaos seed
+        # 5709). Nothing of the job's is recovered here: a recovery logged would be one more
+        # than the fault's, "-> rank restart" on a node with no rank.
+        return OrderVerdict(OrderAction.REJOIN, "a spare: it joins again, nothing to recover")
     if draining:
         return OrderVerdict(OrderAction.LEAVE, f"{draining}: leaving at this recovery")
     if phase == Phase.STOPPING:

@@ -667,6 +667,26 @@ def test_a_spare_says_whom_it_waits_under_each_time_that_changes():
     assert machine.events.kinds.count("spare") == 3
 
 
+def test_a_spare_told_it_was_dropped_joins_again_and_logs_no_recovery():
+    """Chaos seed 5709: a spare followed a coordinator that stood down to the job's, where
+    its heartbeat came before its join and was answered "dropped from the job; re-joining".
+    It has no rank: it joins again, and logs no recovery (one more than the fault's, and
+    "-> rank restart" on a node with no rank); a seated node still recovers."""
+    machine = AgentMachine()
+    machine.spare()
+    joins = [m.TYPE for m in machine.control.sent].count("join")
+    machine._order("recover", policy="rank", restart_count=6, delay=0.0,
+                   cause="node n6 was dropped from the job; re-joining")
+    assert "recovering" not in machine.events.kinds
+    assert machine.agent.phase == Phase.JOINING and machine.agent.restart_count == 6
+    assert [m.TYPE for m in machine.control.sent].count("join") == joins + 1
+    seated = AgentMachine()
+    seated.maybe_running(running=True, restartable=False)
+    seated._order("recover", policy="rank", restart_count=1, delay=0.0,
+                  cause="node n1 was dropped from the job; re-joining")
+    assert "recovering" in seated.events.kinds and seated.agent.phase != Phase.JOINING
+
+
 def test_a_join_says_every_round_the_node_held_a_seat_in_since_the_oldest_not_settled():
     """A large job's successor knows an earlier round by size only: its voters are the nodes
     whose joins say they held a seat in it. However many rounds closed before most heard of

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -124,19 +125,22 @@ def test_the_coordinator_bench_runs_its_smallest_job_through():
 
 
 @needs_two_cpus
-def test_the_coordinator_bench_can_queue_the_joins_before_the_successor_serves():
+@pytest.mark.parametrize("intakes", [0, 1])
+def test_the_coordinator_bench_can_queue_the_joins_before_the_successor_serves(intakes):
     """--joins-first: the survivors' joins wait on the standby socket (a small job's
     successor then acks each, finding those whose connections closed), and the times count
-    from the successor's start: the joins were sent before it, and every assign arrives."""
+    from the successor's start: the joins were sent before it, and every assign arrives;
+    with --intakes, through an intake process, whose CPU is reported too."""
     done = subprocess.run([sys.executable, str(SCRIPTS / "bench_coordinator.py"), "--nodes", "32",
-                           "--takeover-only", "--joins-first"],
+                           "--takeover-only", "--joins-first", "--intakes", str(intakes)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     row = next(line for line in done.stdout.splitlines() if line.startswith("| 32 | "))
     cells = row.strip("| ").split(" | ")
     joins_sent, _, _, first, last = (float(cell) for cell in cells[4:9])
-    thread_cpu, io_cpu = (float(cpu) for cpu in cells[9].split(" + "))
-    assert joins_sent < 0 < first <= last and min(thread_cpu, io_cpu) >= 0, row  # (10 ms ticks)
+    cpu = re.fullmatch(r"([\d.]+) \+ ([\d.]+)(?: \(\+ ([\d.]+)\))?", cells[10])
+    assert cpu and (cpu[3] is not None) == bool(intakes), row
+    assert joins_sent < 0 < first <= last and min(map(float, cpu.groups("0"))) >= 0, row
 
 
 @needs_two_cpus
