@@ -573,15 +573,21 @@ class Agent:
             self._on_stop(exit_codes.OK, "")
             return
         group_world_size = self.assignment.group_world_size if self.assignment else 0
-        successor = self.control.fail_over(self.epoch, self.restart_count, group_world_size)
+        # A spare that followed a redirect knows only the successors of the coordinator
+        # that sent it on, which stood down (chaos seed 5708: it followed them, one silent
+        # after the other, until the job had ended, and found no one at the endpoint).
+        stale = self.assignment is None and self.control.redirected
+        successor = None if stale else self.control.fail_over(self.epoch, self.restart_count,
+                                                              group_world_size)
         if successor is None and self.assignment is None:
             # A spare, and every node it heard would take over is gone (the word naming the
             # next one may not have reached it: chaos seed 1045, the coordinator's node lost
             # twice in 0.5 s): it is not in the job, so this is not the job's end. It asks
             # at the rendezvous endpoint, where whoever runs the job now answers.
-            self.events.emit("coordinator_lost", f"coordinator node {lost} lost and no "
-                             "successor known to this spare: asking at the rendezvous "
-                             "endpoint again", lost=lost, successor="")
+            known = "the successors it knows are another coordinator's" if stale else \
+                "no successor known to this spare"
+            self.events.emit("coordinator_lost", f"coordinator node {lost} lost and {known}: "
+                             "asking at the rendezvous endpoint again", lost=lost, successor="")
             self.control.back_to_rendezvous()
             self.asking_since = self.clock()
             self._send_join()

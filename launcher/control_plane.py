@@ -261,6 +261,7 @@ class ControlPlane:
             # passed over the live successor and, finding none, failed).
             self.members, self._lost, self._cut_off = received.body.members, set(), set()
             self.spares, self.electorate_epoch = received.body.spares, received.epoch
+            self.redirected = False  # the successors we know are the job's coordinator's
             self.earlier = ()
             if isinstance(received.body, Assign):  # it names every one not settled before it
                 self.earlier = received.body.earlier

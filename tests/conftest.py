@@ -251,3 +251,25 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)
     return ByGroup(config, log)
+
+
+# An agent that joins at the coordinator on 127.0.0.1:argv[1] (secret argv[2], its standby port
+# argv[3]) and dies at once, or when its stdin ends with argv[4] "when told": its connection
+# closes as the process ends.
+JOIN_AND_DIE = """
+import sys, zmq
+from ftlaunch_contract.messages import CONTROL
+from ftlaunch_contract.protocol import Codec
+port, secret, standby = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3])
+peer = zmq.Context().socket(zmq.DEALER)
+peer.connect(f"tcp://127.0.0.1:{port}")
+peer.send_multipart(Codec(secret).encode(CONTROL["join"](
+    node_id="s", local_world_size=1, addr="127.0.0.1", standby_port=standby, rank_hint=-1,
+    replica_port=0, held=(), restart_count=0, seated_earlier=(), settled_below=-1,
+    group_rank=-1, seated_epoch=-1, electorate_epoch=-1), 0))
+if sys.argv[4:] == ["when told"]:
+    sys.stdin.read()
+    import os
+    os._exit(0)  # its connection closes as the process ends
+peer.close(linger=5000)
+"""

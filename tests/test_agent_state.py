@@ -193,6 +193,7 @@ class FakeControl:
         self.coordinator_node, self.standby_port, self.next_heartbeat = "n0", 4000, 0.0
         self.connection_lost, self.last_heard = False, 0.0
         self.knows_successors = False
+        self.redirected = False
         self.coordinator_failure: str | None = None
 
     def send(self, msg: Body, epoch: int) -> None:
@@ -261,9 +262,11 @@ class FakeReplicas:
 class FakeEvents:
     def __init__(self) -> None:
         self.kinds: list[str] = []
+        self.messages: list[str] = []
 
     def emit(self, kind: str, text: str, console: bool = True, **fields) -> None:
         self.kinds.append(kind)
+        self.messages.append(text)
 
 
 class AgentMachine(RuleBasedStateMachine):
@@ -616,6 +619,22 @@ def test_a_spare_that_knows_no_successor_asks_at_the_rendezvous_endpoint_again()
     machine.control.lost = True
     machine.agent.on_timers(machine.now)
     assert machine.agent.phase == Phase.STOPPING
+
+
+def test_a_spare_sent_on_by_a_redirect_asks_at_the_endpoint_when_that_coordinator_is_lost():
+    """Chaos seed 5708: a spare, redirected to the job's coordinator, which died before it
+    answered, followed the successors an earlier coordinator had named (one that stood
+    down since), each silent, until the job had ended: none was there to tell it, and it
+    exited 1. It asks at the rendezvous endpoint, where whoever runs the job answers."""
+    machine = AgentMachine()
+    machine.spare()
+    machine.control.knows_successors, machine.control.redirected = True, True
+    machine.control.lost = True
+    machine.agent.on_timers(machine.now)
+    assert machine.control.asked_again, "followed another coordinator's successors"
+    assert machine.control.lost, "failed over"
+    assert machine.agent.phase == Phase.JOINING and machine.control.sent[-1].TYPE == "join"
+    assert "another coordinator's" in machine.events.messages[-1]
 
 
 def test_a_node_whose_coordinator_died_of_a_bug_leaves_the_job_loudly():

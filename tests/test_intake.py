@@ -14,6 +14,7 @@ import time
 import psutil
 import pytest
 import zmq
+from conftest import JOIN_AND_DIE
 
 from ftlaunch_contract.messages import CONTROL, Assign, Redirect
 from ftlaunch_contract.protocol import Codec
@@ -88,19 +89,6 @@ def test_a_round_formed_through_two_intakes_seats_every_agent_on_one_port(ctx):
         coordinator.close()
 
 
-_JOIN_AND_DIE = """
-import sys, zmq
-from ftlaunch_contract.messages import CONTROL
-from ftlaunch_contract.protocol import Codec
-port, secret, standby = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3])
-peer = zmq.Context().socket(zmq.DEALER)
-peer.connect(f"tcp://127.0.0.1:{port}")
-peer.send_multipart(Codec(secret).encode(CONTROL["join"](
-    node_id="s", local_world_size=1, addr="127.0.0.1", standby_port=standby, rank_hint=-1,
-    replica_port=0, held=(), restart_count=0, seated_earlier=(), settled_below=-1,
-    group_rank=-1, seated_epoch=-1, electorate_epoch=-1), 0))
-peer.close(linger=5000)
-"""
 
 
 def test_an_agent_that_joins_and_dies_on_an_intakes_connection_is_lost_at_once(ctx, caplog):
@@ -113,7 +101,7 @@ def test_an_agent_that_joins_and_dies_on_an_intakes_connection_is_lost_at_once(c
     coordinator = Coordinator(port, SECRET, state)
     try:
         coordinator.start()
-        subprocess.run([sys.executable, "-c", _JOIN_AND_DIE, str(port.port), SECRET.hex(),
+        subprocess.run([sys.executable, "-c", JOIN_AND_DIE, str(port.port), SECRET.hex(),
                         str(_refused_port(ctx))], check=True, timeout=30)
         end = time.monotonic() + NODE_TIMEOUT / 2  # silent, it would be lost at the timeout
         while not any("node s lost (its agent's connection closed)" in r.getMessage()
@@ -123,6 +111,16 @@ def test_an_agent_that_joins_and_dies_on_an_intakes_connection_is_lost_at_once(c
         assert "s" not in state.members
     finally:
         coordinator.close()
+
+
+def _forwarded(intakes, joins: int, closes: int) -> None:
+    """Until the intakes forwarded that many joins and closes, which then wait, unread, for
+    the coordinator to serve (held as what it reads while probing is)."""
+    end, read = time.monotonic() + 10, []  # a hang guard
+    while sum(len(m[2]) for _, m in read) < joins or sum(len(m[1]) for _, m in read) < closes:
+        assert time.monotonic() < end and intakes.hub.poll(1000), "not forwarded"
+        read.append(intakes._read())
+    intakes._held.extend(read)
 
 
 def test_joins_queued_at_intakes_from_connections_since_closed_take_no_seat(ctx, caplog):
@@ -141,7 +139,7 @@ def test_joins_queued_at_intakes_from_connections_since_closed_take_no_seat(ctx,
     b.send_multipart(_join(codec, "b", epoch=5))
     state = _state(3, host="b", min_nodes=1)
     state.group_ranks, state.expected_count, state.epoch = {"b": 0}, 1, 5
-    time.sleep(0.2)  # both joins queued: their senders sent them at once (no event to wait on)
+    _forwarded(port.intakes, joins=2, closes=1)
     coordinator = Coordinator(port, SECRET, state, "coordinator node a lost")
     try:
         coordinator.start()

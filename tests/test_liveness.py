@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 import zmq
-from conftest import end_connections_to, needs_iptables, needs_ss_kill, silenced
+from conftest import JOIN_AND_DIE, end_connections_to, needs_iptables, needs_ss_kill, silenced
 from zmq.utils.monitor import recv_monitor_message
 
 from ftlaunch_contract.messages import Successor
@@ -546,23 +546,6 @@ def test_a_close_is_not_taken_for_a_gone_connection_on_the_same_descriptor(monke
         ctx.destroy(linger=0)
 
 
-_JOIN_AND_DIE = """
-import sys, zmq
-from ftlaunch_contract.messages import CONTROL
-from ftlaunch_contract.protocol import Codec
-port, secret, standby = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3])
-peer = zmq.Context().socket(zmq.DEALER)
-peer.connect(f"tcp://127.0.0.1:{port}")
-peer.send_multipart(Codec(secret).encode(CONTROL["join"](
-    node_id="s", local_world_size=1, addr="127.0.0.1", standby_port=standby, rank_hint=-1,
-    replica_port=0, held=(), restart_count=0, seated_earlier=(), settled_below=-1,
-    group_rank=-1, seated_epoch=-1, electorate_epoch=-1), 0))
-if sys.argv[4:] == ["when told"]:
-    sys.stdin.read()
-    import os
-    os._exit(0)  # its connection closes as the process ends
-peer.close(linger=5000)
-"""
 
 
 def test_an_agent_that_dies_right_after_its_first_join_is_lost_at_once(caplog):
@@ -586,7 +569,7 @@ def test_an_agent_that_dies_right_after_its_first_join_is_lost_at_once(caplog):
     refused_port = refused.bind_to_random_port("tcp://127.0.0.1")
     refused.close(linger=0)
     try:
-        subprocess.run([sys.executable, "-c", _JOIN_AND_DIE, str(port), SECRET.hex(),
+        subprocess.run([sys.executable, "-c", JOIN_AND_DIE, str(port), SECRET.hex(),
                         str(refused_port)], check=True, timeout=30)
         assert monitor.poll(5000), "no close"
         coordinator._closed_connections(monitor)  # first, as the serving loop does
@@ -625,7 +608,7 @@ def test_a_close_read_before_its_route_ended_is_asked_again_until_it_ends(caplog
     refused = ctx.socket(zmq.ROUTER)  # s's standby port, closed with its agent
     refused_port = refused.bind_to_random_port("tcp://127.0.0.1")
     refused.close(linger=0)
-    peer = subprocess.Popen([sys.executable, "-c", _JOIN_AND_DIE, str(port), SECRET.hex(),
+    peer = subprocess.Popen([sys.executable, "-c", JOIN_AND_DIE, str(port), SECRET.hex(),
                              str(refused_port), "when told"], stdin=subprocess.PIPE)
     try:
         assert sock.poll(5000), "the join is not queued"
