@@ -53,7 +53,6 @@ log = logging.getLogger("ftlaunch.intake")
 BATCH = 1024  # messages an intake forwards in one, at most
 FRAMES, SIGN = 0, 1  # what an "out" entry holds
 STARTUP_TIMEOUT = 30.0  # seconds for every intake to bind and say it is up
-PROBE_TIMEOUT = 2.0  # an intake that does not answer a probe in that long is taken for hung
 
 
 def _pack(value: object) -> bytes:
@@ -71,8 +70,12 @@ def _unpack(data: bytes) -> list:
 class Intakes:
     """The coordinator's side: the hub socket, what its intakes forwarded, their answers."""
 
-    def __init__(self, hub: zmq.Socket, procs: dict[int, subprocess.Popen]):
+    def __init__(self, hub: zmq.Socket, procs: dict[int, subprocess.Popen],
+                 answer_within: float):
+        """``answer_within``: an intake that does not answer a question in that long (the
+        node timeout: its agents would take the coordinator for lost by then) is lost."""
         self.hub = hub
+        self._answer_within = answer_within
         self._procs = procs
         self._out: dict[int, list[list]] = collections.defaultdict(list)  # in order: see send
         self._held: collections.deque[tuple[int, list]] = collections.deque()  # while probing
@@ -145,11 +148,11 @@ class Intakes:
             self.hub.send_multipart([bytes([index]), _pack(["probe", self._token, local,
                                                             frames])])
         closed: set[bytes] = set()
-        until = time.monotonic() + PROBE_TIMEOUT
+        until = time.monotonic() + self._answer_within
         while asked:
             if not self.hub.poll(max(1, int((until - time.monotonic()) * 1000))):
                 raise IntakeLost(f"intake(s) {sorted(asked)} did not answer a probe within "
-                                 f"{PROBE_TIMEOUT} s")
+                                 f"{self._answer_within:g} s")
             index, msg = self._read()
             if msg[0] == "probed" and msg[1] == self._token and index in asked:
                 del asked[index]
@@ -202,7 +205,7 @@ class Port:
                       "small": small, "link": link, "secret": secret.hex(),
                       "pace": pace(max_nodes)}
             procs = {i: _spawn({**config, "index": i}) for i in range(1, count + 1)}
-            self.intakes = Intakes(hub, procs)
+            self.intakes = Intakes(hub, procs, node_timeout)
             self._wait_up(hub, set(procs))
         except BaseException:
             self.close()
