@@ -428,8 +428,10 @@ def main():
             f"{hb['cpu_us_per_heartbeat']:.0f} ")
         print(f"| {n} {beats}| {tk['joins_sent_s']:.2f} | {tk['round_closed_s']:.2f} | "
               f"{tk['assigns_queued_s']:.2f} | {tk['first_assign_s']:.2f} | "
-              f"{tk['all_assigned_s']:.2f} | {tk['all_assigned_s'] - tk['joins_sent_s']:.2f} | "
-              f"{tk['thread_cpu_s']:.2f} + {tk['io_cpu_s']:.2f}"
+              f"{tk['all_assigned_s']:.2f} | "
+              + ("- | " if args.joins_first else  # (sent before the successor served)
+                 f"{tk['all_assigned_s'] - tk['joins_sent_s']:.2f} | ")
+              + f"{tk['thread_cpu_s']:.2f} + {tk['io_cpu_s']:.2f}"
               + (f" (+ {tk['intakes_cpu_s']:.2f})" if args.intakes else "") + " |",
               flush=True)
 
