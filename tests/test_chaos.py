@@ -283,6 +283,23 @@ def test_a_cut_off_node_back_in_the_job_speaks_for_it_again():
                                                                      "ts": T0 + 17})
 
 
+def test_the_next_fault_waits_for_a_step_since_the_recoverys_ranks_started():
+    """Chaos seed 5701: the job trained up to its hold before the last step while the runner
+    waited for a healed node to rejoin; waiting for a step printed after that (none comes
+    from a holding job), the runner timed out. It counts the steps since the ranks the
+    recovery started, and from now only when no rank started."""
+    out = chaos.Lines(verbose=False)
+    out.lines = [(T0, 0, "[rank0]: step 40 loss 4.1 rank 0"),  # before the fault
+                 (T0 + 1, 0, "[rank0]: start rank 0 world 2 pid 7 resume_from 35 (shared "
+                             "memory) agents_committed 35"),
+                 (T0 + 2, 0, "[rank0]: step 99 loss 2.7 rank 0")]  # then it held
+    job = types.SimpleNamespace(out=out)
+    assert chaos.restarted_since(job, 1) == 1
+    _, m = out.wait_step(48, chaos.restarted_since(job, 1), timeout=0)
+    assert m[1] == "99"
+    assert chaos.restarted_since(job, 2) == 3, "no rank started: from now"
+
+
 def test_packet_loss_needs_no_recovery():
     run = network_run("loss", percent=20)
     assert recoveries_verdict(run) is None
