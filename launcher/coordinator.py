@@ -295,21 +295,56 @@ def bind_router(context: zmq.Context, addr: str, port: int, node_timeout: float,
 LISTEN_BACKLOG = 65535
 
 
-def shared_listener(addr: str, port: int) -> tuple[int, int]:
-    """A listening TCP socket on addr:port (0: any free port) that other processes of ours
-    may bind too (SO_REUSEPORT: the kernel spreads new connections over them): its file
-    descriptor, for ZeroMQ's ZMQ_USE_FD, and its port."""
-    listener = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+def bound_to_share(addr: str, port: int) -> socket.socket:
+    """A TCP socket bound to addr:port (0: any free port) that other processes of ours may
+    bind too (SO_REUSEPORT: the kernel spreads new connections over those that listen)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
     try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        listener.bind((addr, port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((addr, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def shared_listener(addr: str, port: int) -> tuple[int, int]:
+    """A listening socket bound_to_share: its file descriptor, for ZeroMQ's ZMQ_USE_FD, and
+    its port."""
+    listener = bound_to_share(addr, port)
+    try:
         listener.listen(LISTEN_BACKLOG)
-        port = listener.getsockname()[1]
     except OSError:
         listener.close()
         raise
+    port = listener.getsockname()[1]
     return listener.detach(), port
+
+
+def unroutable(router: zmq.Socket, identities: list[bytes], frames: list[bytes]) -> set[bytes]:
+    """Those of ``identities`` whose connection closed: only a mandatory send is told that it
+    cannot be routed; each open one gets ``frames``.
+
+    The socket learns of a close from ZeroMQ's I/O thread (the pipe's end, a command that
+    follows the monitor's close event) and reads such commands on a send at most once a
+    millisecond or so; so they are read first, or a route ended just before still looked
+    open (a dead survivor of a takeover seated, found only by silence). A close whose end
+    the I/O thread has not passed on yet is not known here either: such a connection counts
+    as open, its node found by its silence."""
+    closed = set()
+    router.getsockopt(zmq.EVENTS)  # reads the socket's pending commands, unthrottled
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    try:
+        for identity in identities:
+            try:
+                router.send_multipart([identity, *frames], _NOBLOCK)
+            except zmq.ZMQError as e:  # (EAGAIN: open, its queue full)
+                if e.errno == zmq.EHOSTUNREACH:
+                    closed.add(identity)
+    finally:
+        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    return closed
 
 
 class Coordinator:
@@ -476,11 +511,11 @@ class Coordinator:
                 except Exception:
                     log.exception("coordinator tick failed")
                 self._announce()
+                if self._intakes is not None and (lost := self._intakes.lost()):
+                    raise IntakeLost(lost)
             self._check_handed_over()
             if self._intakes is not None:
                 self._intakes.flush()
-                if lost := self._intakes.lost():
-                    raise IntakeLost(lost)
 
     def _drain_queued(self) -> None:
         """A successor's standby socket queued what came before it served: joins of agents
@@ -527,32 +562,13 @@ class Coordinator:
                            "before this coordinator served; forgotten", silent=True)
 
     def _unroutable(self, identities: list[bytes]) -> set[bytes]:
-        """Those of ``identities`` whose connection closed: only a mandatory send is told
-        that it cannot be routed. Each open one gets an ack: word that we serve.
-
-        The socket learns of a close from ZeroMQ's I/O thread (the pipe's end, a command
-        that follows the monitor's close event) and reads such commands on a send at most
-        once a millisecond or so; so they are read first, or a route ended just before
-        still looked open (a dead survivor of a takeover seated, found only by silence).
-        A close whose end the I/O thread has not passed on yet is not known here either:
-        such a connection counts as open, its node found by its silence."""
+        """Those of ``identities`` whose connection closed (see unroutable); each open one
+        gets an ack: word that we serve."""
         frames = self._codec.encode(HeartbeatAck(settled_below=self._settled_below),
                                     self._state.epoch)
         if self._intakes is not None:
             return self._intakes.unroutable(identities, frames) if identities else set()
-        closed = set()
-        self._socket.getsockopt(zmq.EVENTS)  # reads the socket's pending commands, unthrottled
-        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        try:
-            for identity in identities:
-                try:
-                    self._socket.send_multipart([identity, *frames], _NOBLOCK)
-                except zmq.ZMQError as e:  # (EAGAIN: open, its queue full)
-                    if e.errno == zmq.EHOSTUNREACH:
-                        closed.add(identity)
-        finally:
-            self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        return closed
+        return unroutable(self._socket, identities, frames)
 
     def _closed_connections(self, monitor: zmq.Socket) -> None:
         """Every connection last heard on a descriptor that closed is closed: the one on it

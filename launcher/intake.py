@@ -46,7 +46,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ftlaunch_contract.protocol import Codec, ProtocolError, Verified
-from launcher.coordinator import IntakeLost, bind_router, connection_monitor, pace
+from launcher.coordinator import (
+    IntakeLost,
+    bind_router,
+    bound_to_share,
+    connection_monitor,
+    pace,
+    unroutable,
+)
 
 log = logging.getLogger("ftlaunch.intake")
 
@@ -189,7 +196,8 @@ class Port:
         if not count:
             self.router, self.port = bind_router(context, addr, port, node_timeout, small)
             return
-        self._held, self.port = held_port(addr, port)
+        self._held = bound_to_share(addr, port)  # not listening: see the docstring
+        self.port = self._held.getsockname()[1]
         self.router = context.socket(zmq.ROUTER)
         try:
             if directory is None:
@@ -244,20 +252,6 @@ class Port:
         if self._held is not None:
             self._held.close()
             self._held = None
-
-
-def held_port(addr: str, port: int) -> tuple[socket.socket, int]:
-    """A socket bound to addr:port (0: any free port), not listening, that intakes may bind
-    beside (coordinator.shared_listener), and the port."""
-    held = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
-    try:
-        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        held.bind((addr, port))
-    except OSError:
-        held.close()
-        raise
-    return held, held.getsockname()[1]
 
 
 def _spawn(config: dict) -> subprocess.Popen:
@@ -380,24 +374,7 @@ def _answer(link: zmq.Socket, router: zmq.Socket, codec: Codec) -> bool:
                     _send(router, identity, frames)
         elif msg[0] == "probe":
             _, token, identities, frames = msg
-            link.send(_pack(["probed", token, sorted(_unroutable(router, identities, frames))]))
-
-
-def _unroutable(router: zmq.Socket, identities: list[bytes], frames: list[bytes]) -> set[bytes]:
-    """Coordinator._unroutable's probe, on this intake's socket."""
-    closed = set()
-    router.getsockopt(zmq.EVENTS)  # reads the socket's pending commands (see there)
-    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    try:
-        for identity in identities:
-            try:
-                router.send_multipart([identity, *frames], zmq.NOBLOCK)
-            except zmq.ZMQError as e:
-                if e.errno == zmq.EHOSTUNREACH:
-                    closed.add(identity)
-    finally:
-        router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-    return closed
+            link.send(_pack(["probed", token, sorted(unroutable(router, identities, frames))]))
 
 
 def main() -> None:
