@@ -35,7 +35,6 @@ from launcher import UsageError, membership
 from launcher.coordinator import (
     Coordinator,
     JobState,
-    bind_router,
     connection_monitor,
     keep_alive,
     went_silent,
@@ -105,9 +104,11 @@ class ControlPlane:
                  endpoint: tuple[str, int] | None, new_state: Callable[[], JobState],
                  node_timeout: float, heartbeat_interval: float, intakes: int = 0,
                  runtime_dir: str | None = None):
-        """``intakes``: processes serving our standby port (launcher.intake), whose local
-        socket lives in ``runtime_dir`` (private: the agent's staging directory)."""
+        """``intakes``: processes serving our standby port, and the rendezvous endpoint
+        should we host it (launcher.intake), whose local sockets live in ``runtime_dir``
+        (private: the agent's staging directory)."""
         self._context, self._secret = context, secret
+        self._intakes, self._runtime_dir = intakes, runtime_dir
         self.node_id, self.addr = node_id, addr
         self._new_state = new_state
         # As a job of up to --nnodes MAX (see membership.beat_interval).
@@ -232,11 +233,12 @@ class ControlPlane:
         try:
             bind_host = "0.0.0.0" if names_this_host(endpoint[0]) else \
                 socket.gethostbyname(endpoint[0])
-            sock, _ = bind_router(self._context, bind_host, endpoint[1], self._node_timeout,
-                                  small=not self._watching)
+            port = Port(self._context, bind_host, endpoint[1], self._node_timeout,
+                        self._secret, self._intakes, small=not self._watching,
+                        max_nodes=self._new_state().max_nodes, directory=self._runtime_dir)
         except (zmq.ZMQError, OSError):
             return  # the endpoint is another machine's, or another agent here got it first
-        self._host(sock, self.new_state_for_host())
+        self._host(port, self.new_state_for_host())
 
     # --- traffic -------------------------------------------------------------------------
 

@@ -193,6 +193,7 @@ class Port:
         self.intakes: Intakes | None = None
         self._dir = ""
         self._held: socket.socket | None = None
+        self._claim: socket.socket | None = None
         if not count:
             self.router, self.port = bind_router(context, addr, port, node_timeout, small)
             return
@@ -200,6 +201,7 @@ class Port:
         self.port = self._held.getsockname()[1]
         self.router = context.socket(zmq.ROUTER)
         try:
+            self._claim = _claim(self.port)
             if directory is None:
                 directory = self._dir = tempfile.mkdtemp(prefix="ftlaunch-intake-")  # 0700
             hub = context.socket(zmq.ROUTER)
@@ -252,6 +254,24 @@ class Port:
         if self._held is not None:
             self._held.close()
             self._held = None
+        if self._claim is not None:
+            self._claim.close()
+            self._claim = None
+
+
+def _claim(port: int) -> socket.socket:
+    """The port's one Port of ours. Sockets that set SO_REUSEPORT under one user may all bind
+    a port, so two agents of a user on one host could both take the rendezvous endpoint: the
+    first to bind this abstract Unix socket (of the network namespace, as the port is; gone
+    with its process) holds the port, and another fails as a taken port does (EADDRINUSE).
+    A binding that lost never listened: the kernel gave it no connection."""
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        claim.bind(f"\0ftlaunch-port-{port}")
+    except OSError:
+        claim.close()
+        raise
+    return claim
 
 
 def _spawn(config: dict) -> subprocess.Popen:

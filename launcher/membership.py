@@ -53,11 +53,13 @@ def takes_seat(node: str, joined: set[str], expected: set[str], expected_count: 
     keep their seats, those known by name (``expected``) and those only counted
     (``expected_count``: a takeover's survivors that no assign named): a spare that joins
     first, having noticed a lost coordinator before the survivors did, takes only a seat
-    none of them will fill. (A seat a survivor leaves empty goes to a spare at the close.)"""
+    none of them will fill. (A seat a survivor leaves empty goes to a spare at the close.)
+    Counted without building the union: a forming job's 16,384 joins made it O(N²)."""
     if node in joined or node in expected:
         return True
     unnamed = max(0, expected_count - len(expected))
-    return len(joined | expected) + unnamed < max_nodes
+    held = len(joined) + len(expected) - len(joined & expected)  # (walks the smaller set)
+    return held + unnamed < max_nodes
 
 
 def round_complete(joined: set[str], expected: set[str], min_nodes: int, max_nodes: int,

@@ -20,6 +20,10 @@ from the others.
                 every survivor's connection closes at once): times from its start. And the
                 CPU seconds its thread and ZeroMQ's I/O thread spent from its start: on a
                 node whose cores let them run side by side, the thread's is the floor.
+    formation   --formation: the same, as a job forms at the rendezvous endpoint: a fresh
+                coordinator (--nnodes N:N) and N agents joining, their connections open
+                (agents dial the endpoint as they start): formed = the first join sent ->
+                every agent has its assign.
     socket floor  --socket-floor: the takeover's messages alone, nothing decoded or decided
                 (see floor_host): what a node costs the successor's one thread in ZeroMQ.
     decider     --decider-only: the takeover's joins handled and its round decided with no
@@ -62,7 +66,8 @@ def state(n):
                     last_call=30.0, join_timeout=600.0, host_node=node(0))
 
 
-def host(n, takeover, conn, cpus, io_threads=1, joins_first=False, intakes=0):
+def host(n, takeover, conn, cpus, io_threads=1, joins_first=False, intakes=0,
+         formation=False):
     """The coordinator's process, alone on ``cpus``, with ``io_threads`` ZeroMQ I/O threads
     (each accepted connection is served by the least loaded one) and ``intakes`` intake
     processes sharing its port (on the same ``cpus``)."""
@@ -73,7 +78,9 @@ def host(n, takeover, conn, cpus, io_threads=1, joins_first=False, intakes=0):
     port = shared.port
     s = state(n)
     now = time.monotonic()
-    if takeover:  # what fail_over gives it: the named successors, how many survived
+    if formation:  # the endpoint's, as a job starts: it forms once all n joined
+        s.min_nodes = n
+    elif takeover:  # what fail_over gives it: the named successors, how many survived
         s.epoch, s.expected_count = 5, n - 1
         for rank in range(16):
             s.group_ranks[node(rank + 1)], s.standby_ports[node(rank + 1)] = rank, 1
@@ -88,7 +95,8 @@ def host(n, takeover, conn, cpus, io_threads=1, joins_first=False, intakes=0):
         conn.send((port, None))
         conn.recv()
         now = time.monotonic()
-    coordinator = Coordinator(shared, SECRET, s, "coordinator node lost" if takeover else None)
+    coordinator = Coordinator(shared, SECRET, s,
+                              "coordinator node lost" if takeover and not formation else None)
     pids = [p.pid for p in shared.intakes._procs.values()] if shared.intakes else []
     round_times = []  # the round closed, its assigns queued: the coordinator thread's share
     complete = coordinator._complete_round
@@ -215,7 +223,7 @@ def dealer(context, port):
 
 
 def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False,
-          joins_first=False, warmup=0.0, spread=0.0):
+          joins_first=False, warmup=0.0, spread=0.0, formation=False):
     """Agents ``ids`` of a job of ``n`` in one process on ``cpus``: they beat at their share
     of the job's rate for ``window`` seconds, or join a takeover and wait for their assigns."""
     os.sched_setaffinity(0, cpus)
@@ -231,9 +239,12 @@ def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False,
                 time.sleep(wait)  # (each process's share spread alike: they interleave)
             if connect_at_takeover:
                 socks[i] = dealer(context, port)
+            epoch = -1 if formation else 5  # a newcomer's, or a survivor's of epoch 5
             socks[i].send_multipart(codecs[i].encode(Join(
                 node_id=node(i), local_world_size=8, addr="127.0.0.1", rank_hint=-1,
-                standby_port=1, replica_port=0, held=(), restart_count=0, seated_earlier=(), settled_below=-1, group_rank=-1, seated_epoch=5, electorate_epoch=5), 5))
+                standby_port=1, replica_port=0, held=(), restart_count=0,
+                seated_earlier=(), settled_below=-1, group_rank=-1, seated_epoch=epoch,
+                electorate_epoch=epoch), max(epoch, 0)))
         sent_at, arrived = time.monotonic(), {}
         if joins_first:
             conn.send(sent_at)
@@ -288,26 +299,26 @@ def answer(conn, timeout=300):
 
 def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus=1,
           io_threads=1, joins_first=False, socket_floor=False, warmup=0.0, intakes=0,
-          spread=0.0, agent_procs=1):
+          spread=0.0, agent_procs=1, formation=False):
     """``cpus``: the first ``coordinator_cpus`` for the coordinator, the others for the
     agents."""
     spawn = mp.get_context("spawn")
     here, there = mp.Pipe()
     proc = spawn.Process(target=host, daemon=True,
                          args=(n, takeover, there, cpus[:coordinator_cpus], io_threads,
-                               joins_first, intakes)) if not socket_floor else \
+                               joins_first, intakes, formation)) if not socket_floor else \
         spawn.Process(target=floor_host, daemon=True, args=(n, there, cpus[:coordinator_cpus]))
     proc.start()
     here.send("ready")
     port, thread_id = answer(here)
-    ids = list(range(1, n) if takeover else range(n))
+    ids = list(range(1, n) if takeover and not formation else range(n))
     procs = max(agent_procs, -(-len(ids) // AGENTS_PER_PROCESS))
     swarms = []
     for k in range(procs):
         mine, theirs = mp.Pipe()
         worker = spawn.Process(target=swarm, daemon=True, args=(
             ids[k::procs], n, port, takeover, window, theirs, cpus[coordinator_cpus:],
-            connect_at_takeover, joins_first, warmup, spread))
+            connect_at_takeover, joins_first, warmup, spread, formation))
         worker.start()
         swarms.append((worker, mine))
     for _, conn in swarms:
@@ -393,12 +404,16 @@ def main():
     p.add_argument("--intakes", type=int, default=0,
                    help="intake processes sharing the coordinator's port (launcher.intake), "
                         "on its CPUs")
+    p.add_argument("--formation", action="store_true",
+                   help="a job forming at the rendezvous endpoint instead of a takeover "
+                        "(implies --takeover-only)")
     args = p.parse_args()
     if args.decider_only:
         decider_table([int(n) for n in args.nodes.split(",")])
         return
     if args.socket_floor:
         args.takeover_only = args.joins_first = True
+    args.takeover_only |= args.formation
     cpus = sorted(os.sched_getaffinity(0))
     if args.coordinator_cpus < 1 or len(cpus) <= args.coordinator_cpus:
         raise SystemExit(f"needs {args.coordinator_cpus + 1} CPUs or more: "
@@ -408,7 +423,7 @@ def main():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # the coordinator's connections,
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # two files a DEALER
     print("| nodes | heartbeats/s | coordinator CPU (thread + I/O) | µs a heartbeat | "
-          "takeover: joins sent s | round closed s | its assigns queued s | "
+          f"{'formation' if args.formation else 'takeover'}: joins sent s | round closed s | its assigns queued s | "
           "first received s | all received s | after the last join s | "
           "CPU s: thread + I/O (+ intakes) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -421,7 +436,7 @@ def main():
             tk = bench(n, True, 0, cpus, args.connect_at_takeover, args.coordinator_cpus,
                        args.io_threads, args.joins_first, args.socket_floor,
                        intakes=args.intakes, spread=args.joins_spread,
-                       agent_procs=args.agent_procs)
+                       agent_procs=args.agent_procs, formation=args.formation)
         beats = "| - | - | - " if hb is None else (
             f"| {hb['heartbeats_per_s']:.0f} | {100 * hb['cpu']:.1f} % "
             f"({100 * hb['coordinator_thread']:.1f} + {100 * hb['zmq_io']:.1f}) | "

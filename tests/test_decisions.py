@@ -457,6 +457,8 @@ def test_round_complete_says_why(joined, expected, min_reached_at, now, why):
     ("u", set(), {"a", "u"}, 2, 2, True),         # that survivor (its join said so)
     ("s", {"a", "u"}, {"a", "u"}, 2, 3, True),    # a seat none of them fills
     ("a", {"a", "b", "c"}, {"a"}, 1, 3, True),    # a member's duplicate join
+    ("s", {"a", "x"}, {"a", "b"}, 2, 4, True),    # a, x and b's seats held: one free
+    ("s", {"a", "x"}, {"a", "b"}, 2, 3, False),   # a counted once: none free
 ])
 def test_a_joining_node_takes_only_a_seat_no_survivor_will_fill(node, joined, expected,
                                                                 expected_count, max_nodes,

@@ -208,6 +208,33 @@ def test_a_closed_port_leaves_no_intake_process_nor_its_directory_and_frees_the_
         again.bind(("127.0.0.1", number))
 
 
+def test_a_fixed_port_is_one_ports_however_its_rivals_bind_it(ctx):
+    """Whoever binds the rendezvous endpoint hosts the job: with intakes the port is bound
+    with SO_REUSEPORT, which another agent of the same user could bind too. A second Port
+    with intakes fails as on a taken port (its claim: intake._claim), so does a plain bind,
+    and a Port with intakes cannot take a port bound the plain way; the first's close
+    frees it at once for the next."""
+    number = _refused_port(ctx)
+    first = Port(ctx, "127.0.0.1", number, NODE_TIMEOUT, SECRET, 1)
+    try:
+        with pytest.raises(OSError, match="in use"):
+            Port(ctx, "127.0.0.1", number, NODE_TIMEOUT, SECRET, 1)
+        with pytest.raises(zmq.ZMQError, match="in use"):
+            Port(ctx, "127.0.0.1", number, NODE_TIMEOUT, SECRET, 0)
+        agent = _agent(ctx, number)  # still served by the first's intake
+        agent.send_multipart(_join(Codec(SECRET), "a"))
+        assert first.intakes.hub.poll(10_000), "the first Port's intake heard nothing"
+        agent.close(linger=0)
+    finally:
+        first.close(linger=0)
+    plain = Port(ctx, "127.0.0.1", number, NODE_TIMEOUT, SECRET, 0)
+    try:
+        with pytest.raises(OSError, match="in use"):
+            Port(ctx, "127.0.0.1", number, NODE_TIMEOUT, SECRET, 1)
+    finally:
+        plain.close(linger=0)  # (ZeroMQ's I/O thread frees the port after the call)
+
+
 def test_intakes_die_with_their_agent():
     """An agent SIGKILLed leaves no intake behind (PR_SET_PDEATHSIG)."""
     agent = subprocess.Popen([sys.executable, "-c", """

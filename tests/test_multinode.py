@@ -141,8 +141,9 @@ def test_coordinator_loss_successor_takes_over(tmp_path, launch, intakes):
     leave its training function (0.13 s here), so the survivor, still in the barrier, was
     rightly replaced, not resumed in place, and the last assert failed (1 run in ~8).
 
-    With --intakes the successor's standby port is served by intake processes
-    (launcher.intake): the takeover goes through them, and they end with their agent."""
+    With --intakes the rendezvous endpoint and every standby port are served by intake
+    processes (launcher.intake): the job forms through the endpoint's, the takeover goes
+    through the successor's, and they end with their agent."""
     port = _free_port()
     slow = ["--node-timeout", "60", "--intakes", str(intakes)]  # after FAST_LIVENESS: wins
     args = [*_train_args(tmp_path), "--shim"]  # re-enterable: a survivor resumes in place
@@ -155,6 +156,7 @@ def test_coordinator_loss_successor_takes_over(tmp_path, launch, intakes):
                        if "launcher.intake" in p.cmdline()]
     assert len(standby_servers) == intakes
     node = psutil.Process(coordinator_node.proc.pid)
+    assert len([p for p in node.children() if "launcher.intake" in p.cmdline()]) == 2 * intakes
     for proc in [node, *node.children(recursive=True)]:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
