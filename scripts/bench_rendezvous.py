@@ -43,6 +43,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -135,7 +136,11 @@ class Agents:
     """Real ControlPlanes for agents ``ids``, driven the way the agent's loop drives its own;
     ``seen[kind][epoch][i]`` = when agent i first got that kind of message in that epoch."""
 
-    def __init__(self, port, ids, n, addr, node_timeout, interval, endpoint="127.0.0.1"):
+    def __init__(self, port, ids, n, addr, node_timeout, interval, endpoint="127.0.0.1",
+                 intakes=0, runtime_dir=None):
+        """``intakes``: processes serving each agent's endpoint and standby port, should it
+        host (launcher.intake): given to the agents that may (0, 1, 2), alone in theirs;
+        their local sockets in ``runtime_dir``."""
         self.context = zmq.Context()
         self.context.set(zmq.MAX_SOCKETS, 12 * len(ids) + 64)  # 9 an agent: 3 monitored
         self.n, self.interval = n, interval
@@ -150,7 +155,8 @@ class Agents:
         self.epoll, self.by_fd, self.monitor_fds = select.epoll(), {}, set()
         for i in ids:
             p = ControlPlane(self.context, SECRET, node_id(i), addr, (endpoint, port),
-                             lambda: job_state(n, node_timeout), node_timeout, interval)
+                             lambda: job_state(n, node_timeout), node_timeout, interval,
+                             intakes if i < 3 else 0, runtime_dir)
             self.planes[i], self.epoch[i] = p, 0
             self.watch(i)
         me, end = psutil.Process(), time.monotonic() + 120
@@ -282,11 +288,13 @@ class Agents:
         return len(got), len(times), min(got, default=None), max(got, default=None)
 
 
-def agents_main(conn, port, ids, n, addr, node_timeout, interval, fds):
+def agents_main(conn, port, ids, n, addr, node_timeout, interval, fds, intakes=0,
+                runtime_dir=None):
     raise_nofile(fds)
     logging.basicConfig(level=os.environ.get("BENCH_LOG", "ERROR"))
     try:
-        agents = Agents(port, ids, n, addr, node_timeout, interval)
+        agents = Agents(port, ids, n, addr, node_timeout, interval, intakes=intakes,
+                        runtime_dir=runtime_dir)
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -339,8 +347,9 @@ def agents_main(conn, port, ids, n, addr, node_timeout, interval, fds):
 class Job:
     """N agents over processes: [0] hosts the coordinator, [1] and [2] its successors."""
 
-    def __init__(self, n, procs, node_timeout, interval):
+    def __init__(self, n, procs, node_timeout, interval, intakes=0):
         self.n, self.port, self.ctx = n, free_port(), mp.get_context("spawn")
+        self.runtime_dir = tempfile.mkdtemp(prefix="bench-rendezvous-")  # intakes' sockets
         rest = list(range(4, n))
         slices = [[0], [1], [2], [3]] + [rest[k::procs] for k in range(procs) if rest[k::procs]]
         self.stopped = set()  # processes SIGSTOPped: asked nothing more
@@ -350,7 +359,7 @@ class Job:
             here, there = self.ctx.Pipe()
             proc = self.ctx.Process(target=agents_main, daemon=True, args=(
                 there, self.port, ids, n, f"127.0.{k + 1}.1", node_timeout, interval,
-                FDS_PER_AGENT * len(ids) + 1024))
+                FDS_PER_AGENT * len(ids) + 1024, intakes, self.runtime_dir))
             proc.start()
             self.conns.append(here)
             self.procs.append(proc)
@@ -388,12 +397,21 @@ class Job:
             time.sleep(0.05)
 
     def cpu(self, k):
-        """CPU seconds of process k: all of it, its coordinator thread, ZeroMQ's I/O thread."""
-        return coordinator_cpu(self.procs[k].pid, self.ask("threads", which=[k])[0])
+        """CPU seconds of process k: all of it, its coordinator thread, ZeroMQ's I/O thread,
+        and its intake processes, all of their threads."""
+        out = coordinator_cpu(self.procs[k].pid, self.ask("threads", which=[k])[0])
+        out["intakes"] = sum(coordinator_cpu(pid, -1)["process"] for pid in self.intakes(k))
+        return out
+
+    def intakes(self, k):
+        return [c.pid for c in psutil.Process(self.procs[k].pid).children()
+                if "launcher.intake" in c.cmdline()]
 
     def stop(self, k):
-        """Process k's machine goes silent: the process stops (SIGSTOP), nothing reaches it."""
-        os.kill(self.procs[k].pid, signal.SIGSTOP)
+        """Process k's machine goes silent: the process stops (SIGSTOP), its intakes too,
+        nothing reaches it."""
+        for pid in [self.procs[k].pid, *self.intakes(k)]:
+            os.kill(pid, signal.SIGSTOP)
         self.stopped.add(k)
 
     def close(self):
@@ -401,6 +419,7 @@ class Job:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
             proc.join(5)
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -457,16 +476,17 @@ def roomy_kernel(n):
 
 
 @contextlib.contextmanager
-def own_core(pid, others):
-    """Process ``pid`` alone on the first CPU, ``others`` on the rest, as on a real node 0
-    (the simulated agents are other machines); the affinities restored after."""
-    cpus = sorted(os.sched_getaffinity(pid))
-    saved = {p: os.sched_getaffinity(p) for p in [pid, *others]}
+def own_core(pids, others):
+    """Processes ``pids`` (node 0's agent and its intakes) alone on the first CPU, ``others``
+    on the rest, as on a real node 0 (the simulated agents are other machines); the
+    affinities restored after."""
+    cpus = sorted(os.sched_getaffinity(pids[0]))
+    saved = {p: os.sched_getaffinity(p) for p in [*pids, *others]}
     try:
         for p in saved:
             for task in os.listdir(f"/proc/{p}/task"):  # every thread: ZeroMQ's too
                 with contextlib.suppress(ProcessLookupError):
-                    os.sched_setaffinity(int(task), cpus[:1] if p == pid else cpus[1:])
+                    os.sched_setaffinity(int(task), cpus[:1] if p in pids else cpus[1:])
         yield
     finally:
         for p, mask in saved.items():
@@ -485,7 +505,7 @@ def bench_ftlaunch(n, args):
     coordinator losses. Times in seconds."""
     out = {"n": n, "node_timeout": args.node_timeout, "heartbeat_interval": args.heartbeat_interval}
     t_setup = time.monotonic()
-    job = Job(n, args.procs, args.node_timeout, args.heartbeat_interval)
+    job = Job(n, args.procs, args.node_timeout, args.heartbeat_interval, args.intakes)
     out["setup_s"] = time.monotonic() - t_setup
     limit = 60 + n / 100
     try:
@@ -508,13 +528,16 @@ def bench_ftlaunch(n, args):
         for key in cpu0:  # the coordinator: its thread and ZeroMQ's I/O thread
             out[f"cpu_{key}"] = (cpu1[key] - cpu0[key]) / (w1 - w0)
         out["coordinator_cpu_fraction"] = out["cpu_coordinator_thread"] + out["cpu_zmq_io"]
+        if args.intakes:
+            out["coordinator_cpu_fraction"] += out["cpu_intakes"]
         if len(os.sched_getaffinity(0)) > 1:  # again, the coordinator on a core of its own
-            with own_core(job.procs[0].pid, [p.pid for p in job.procs[1:]]):
+            with own_core([job.procs[0].pid, *job.intakes(0)], [p.pid for p in job.procs[1:]]):
                 cpu0, w0 = job.cpu(0), time.monotonic()
                 time.sleep(args.cpu_window)
                 cpu1, w1 = job.cpu(0), time.monotonic()
             out["coordinator_cpu_own_core"] = sum(
-                cpu1[key] - cpu0[key] for key in ("coordinator_thread", "zmq_io")) / (w1 - w0)
+                cpu1[key] - cpu0[key] for key in ("coordinator_thread", "zmq_io", "intakes")
+            ) / (w1 - w0)
         # A frozen agent process: the last agent stops heartbeating and reading; its kernel
         # still answers TCP. Found by heartbeats: three of a large job's beats.
         liveness = membership.liveness_timeout(args.node_timeout, n)
@@ -740,6 +763,9 @@ def main():
     p.add_argument("--torch-timeout", type=float, default=180.0, help="seconds per torch size")
     p.add_argument("--torch-keep-alive", type=int, default=5, help="torch keep_alive_interval "
                    "(default 5 s, torch's; a node silent 3 intervals is evicted)")
+    p.add_argument("--intakes", type=int, default=0,
+                   help="intake processes (launcher.intake) for the agents that may host the "
+                        "coordinator (0, 1, 2); their CPU counts as the coordinator's")
     p.add_argument("--out-json")
     p.add_argument("--plot", help="PNG of time and CPU against N")
     p.add_argument("--plot-from", metavar="JSON", help="only plot an earlier --out-json")
@@ -773,7 +799,7 @@ def main():
             n, args.torch_timeout, args.torch_keep_alive), "torch_only": True})
         print(f"N={n}: torch {rows[-1]['torch_c10d']}", flush=True)
     print(f"\n--node-timeout {args.node_timeout:g}, --heartbeat-interval "
-          f"{args.heartbeat_interval:g}, --procs {args.procs}\n")
+          f"{args.heartbeat_interval:g}, --procs {args.procs}, --intakes {args.intakes}\n")
     print("| N | " + " | ".join(label for _, label in COLUMNS) + " | torch c10d s |")
     print("|---" * (len(COLUMNS) + 2) + "|")
     for r in rows:

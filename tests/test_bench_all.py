@@ -168,19 +168,22 @@ def test_the_coordinator_benchs_decider_seats_every_survivor():
     assert min(handled, decided, encoded) > 0, row  # µs a node
 
 
-def test_the_rendezvous_bench_runs_every_fault_through_at_24_agents(tmp_path):
+@pytest.mark.parametrize("intakes", [0, 1])
+def test_the_rendezvous_bench_runs_every_fault_through_at_24_agents(tmp_path, intakes):
     """bench_rendezvous.py simulates agents with real ControlPlanes, which must keep what an
     agent keeps (its seats: past the 16 an assign names, a successor counts by them):
     drifted, its coordinator failover was held unseen. 24 agents, a 2 s node timeout (a
     margin for a loaded machine): form, heartbeat, a silent node, a dead one, then the
     coordinator's process killed and its successor's machine silenced (with joins that say
-    no earlier seat: held, 61 s)."""
+    no earlier seat: held, 61 s). With an intake: the job forms at the endpoint through it,
+    the killed coordinator's dies with it, and the successor's stops with its machine."""
     import json
 
     out = tmp_path / "rendezvous.json"
     done = subprocess.run([sys.executable, str(SCRIPTS / "bench_rendezvous.py"), "--sizes", "24",
                            "--procs", "2", "--node-timeout", "2", "--heartbeat-interval", "0.1",
-                           "--cpu-window", "1", "--torch-max", "0", "--out-json", str(out)],
+                           "--cpu-window", "1", "--torch-max", "0", "--out-json", str(out),
+                           "--intakes", str(intakes)],
                           cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     (row,) = [r["ftlaunch"] for r in json.loads(out.read_text())["rows"]]
