@@ -141,10 +141,11 @@ class LaunchConfig:
                                "coordinator, is declared lost.", group=RECOVERY)
     heartbeat_interval: float = _opt(0.5, "Seconds between control-plane heartbeats.",
                                      group=RECOVERY)
-    intakes: int = _opt(0, "Processes that serve this node's standby port beside its agent, "
-                        "should it take over the coordinator: they verify what thousands of "
-                        "agents send and sign the answers (see docs/scale.md); 0 = the agent "
-                        "alone, as a job of fewer than ~4,096 nodes needs.", group=RECOVERY)
+    intakes: int = _opt(0, "Processes that serve this node's coordinator ports beside its "
+                        "agent (the rendezvous endpoint should it host the job, its standby "
+                        "port should it take over): they verify what thousands of agents "
+                        "send and sign the answers (see docs/scale.md); 0 = the agent alone, "
+                        "as a job of fewer than ~4,096 nodes needs.", group=RECOVERY)
     secret_file: str | None = _opt(None, "File holding the job's control-plane secret (or set "
                                    "FTLAUNCH_SECRET); single-node jobs generate one.",
                                    group=GENERAL)

@@ -10,6 +10,7 @@ from the others.
                 at most HEARTBEATS_PER_SECOND): the coordinator's CPU (thread + I/O thread)
                 over --window seconds, and per heartbeat, once each node has beaten once
                 (--warmup, default one beat interval: the steady state, acks included).
+                With --intakes their processes' CPU counts as the coordinator's.
     takeover    a successor's coordinator starts (as ControlPlane.fail_over starts it) and
                 N-1 survivors join, on connections to its standby socket opened beforehand
                 (ControlPlane._prepare_takeover) or, with --connect-at-takeover, all
@@ -42,6 +43,7 @@ import select
 import time
 
 import msgpack
+import psutil
 import zmq
 from bench_rendezvous import coordinator_cpu, roomy_kernel
 
@@ -331,7 +333,14 @@ def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus
     if not takeover:  # measured once every node has beaten (and been acked) once
         time.sleep(warmup)
     measured_from = time.monotonic()
-    cpu0 = None if thread_id is None else coordinator_cpu(proc.pid, thread_id)
+    intake_pids = [c.pid for c in psutil.Process(proc.pid).children()
+                   if "launcher.intake" in c.cmdline()]
+
+    def cpu():  # the coordinator's process, and its intakes as one more key
+        out = coordinator_cpu(proc.pid, thread_id)
+        out["intakes"] = sum(coordinator_cpu(pid, -1)["process"] for pid in intake_pids)
+        return out
+    cpu0 = None if thread_id is None else cpu()
     if joins_first:
         joined = max(answer(conn) for _, conn in swarms)
         time.sleep(max(0.0, joined + 1.0 - time.monotonic()))  # delivered and queued by then
@@ -346,10 +355,10 @@ def bench(n, takeover, window, cpus, connect_at_takeover=False, coordinator_cpus
         out["assigned"] = sum(r[3] for r in reports)
     else:
         out["heartbeats_per_s"] = sum(reports) / wall
-        cpu1 = coordinator_cpu(proc.pid, thread_id)
-        for key in ("coordinator_thread", "zmq_io"):
+        cpu1 = cpu()
+        for key in ("coordinator_thread", "zmq_io", "intakes"):
             out[key] = (cpu1[key] - cpu0[key]) / wall
-        out["cpu"] = out["coordinator_thread"] + out["zmq_io"]
+        out["cpu"] = out["coordinator_thread"] + out["zmq_io"] + out["intakes"]
         out["cpu_us_per_heartbeat"] = 1e6 * out["cpu"] / out["heartbeats_per_s"]
     here.send("done")
     served_at, round_times, out["thread_cpu_s"], out["io_cpu_s"], out["intakes_cpu_s"] = \
@@ -422,7 +431,8 @@ def main():
     sizes = [int(n) for n in args.nodes.split(",")]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # the coordinator's connections,
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # two files a DEALER
-    print("| nodes | heartbeats/s | coordinator CPU (thread + I/O) | µs a heartbeat | "
+    print("| nodes | heartbeats/s | coordinator CPU (thread + I/O"
+          + (" + intakes" if args.intakes else "") + ") | µs a heartbeat | "
           f"{'formation' if args.formation else 'takeover'}: joins sent s | round closed s | its assigns queued s | "
           "first received s | all received s | after the last join s | "
           "CPU s: thread + I/O (+ intakes) |")
@@ -432,14 +442,16 @@ def main():
             warmup = membership.beat_interval(0.5, n) if args.warmup is None else args.warmup
             hb = None if args.takeover_only else bench(n, False, args.window, cpus,
                                                        coordinator_cpus=args.coordinator_cpus,
-                                                       io_threads=args.io_threads, warmup=warmup)
+                                                       io_threads=args.io_threads, warmup=warmup,
+                                                       intakes=args.intakes)
             tk = bench(n, True, 0, cpus, args.connect_at_takeover, args.coordinator_cpus,
                        args.io_threads, args.joins_first, args.socket_floor,
                        intakes=args.intakes, spread=args.joins_spread,
                        agent_procs=args.agent_procs, formation=args.formation)
         beats = "| - | - | - " if hb is None else (
             f"| {hb['heartbeats_per_s']:.0f} | {100 * hb['cpu']:.1f} % "
-            f"({100 * hb['coordinator_thread']:.1f} + {100 * hb['zmq_io']:.1f}) | "
+            f"({100 * hb['coordinator_thread']:.1f} + {100 * hb['zmq_io']:.1f}"
+            + (f" + {100 * hb['intakes']:.1f}" if args.intakes else "") + ") | "
             f"{hb['cpu_us_per_heartbeat']:.0f} ")
         print(f"| {n} {beats}| {tk['joins_sent_s']:.2f} | {tk['round_closed_s']:.2f} | "
               f"{tk['assigns_queued_s']:.2f} | {tk['first_assign_s']:.2f} | "

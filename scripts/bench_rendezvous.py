@@ -277,15 +277,20 @@ class Agents:
 
     def report(self, kind, epoch, exclude=()):
         """(how many live agents have ``kind`` at ``epoch`` or later, earliest, latest)."""
-        times = []
+        times, missing = [], []
         for i in self.live():
             if i in exclude:
                 continue
             t = min((seen[i] for e, seen in self.seen[kind].items() if e >= epoch and i in seen),
                     default=None)
             times.append(t)
+            if t is None and len(missing) < 4:  # said should it never come
+                p = self.planes[i]
+                missing.append(f"agent {i}: epoch {self.epoch[i]}, follows "
+                               f"{p.coordinator_node or '?'} at {p.endpoint}, hosting "
+                               f"{p.hosting}, seen {sorted(k for k, by in self.seen.items() if any(i in s for s in by.values()))}")
         got = [t for t in times if t is not None]
-        return len(got), len(times), min(got, default=None), max(got, default=None)
+        return len(got), len(times), min(got, default=None), max(got, default=None), missing
 
 
 def agents_main(conn, port, ids, n, addr, node_timeout, interval, fds, intakes=0,
@@ -393,7 +398,9 @@ class Job:
                 return (min(r[2] for r in reports if r[2] is not None),
                         max(r[3] for r in reports if r[3] is not None))
             if time.monotonic() > end:
-                raise TimeoutError(f"{kind} at epoch {epoch}: {got} of {want} in {limit:g}s")
+                missing = [m for r in reports for m in r[4]][:4]
+                raise TimeoutError(f"{kind} at epoch {epoch}: {got} of {want} in {limit:g}s "
+                                   f"({'; '.join(missing)})")
             time.sleep(0.05)
 
     def cpu(self, k):
@@ -575,10 +582,10 @@ def bench_ftlaunch(n, args):
         survivors = [k for k in range(1, len(job.conns)) if k not in job.stopped]
         out["failover_dead_s"] = job.wait("assign", epoch + 1, limit + args.node_timeout,
                                           which=survivors)[1] - killed_at
-        out["failover_dead_ready_s"] = job.wait("start", epoch + 1, limit,
-                                                which=survivors)[1] - killed_at
         out["failover_dead_noticed_s"] = job.wait("failover", epoch, limit,
                                                   which=survivors)[1] - killed_at
+        out["failover_dead_ready_s"] = job.wait("start", epoch + 1, limit,
+                                                which=survivors)[1] - killed_at
         # The successor's machine goes silent (agent 1's process stopped; with iptables,
         # its port dropped too): agent 2 takes over. First the job settles for a heartbeat
         # interval, as between faults: survivors connect to their next successor then.
