@@ -81,11 +81,12 @@ def outgoing_addr(host: str) -> str:
             return "127.0.0.1"
 
 
-def room_for_connections(nodes: int, watched: bool) -> None:
+def room_for_connections(nodes: int, watched: bool, intakes: int = 0) -> None:
     """A coordinator holds a connection per agent (two in a large job: see the watch), and
-    so does the standby socket of its first successor: raise the open-file limit to what
-    ``nodes`` need, or say why the job will not fit."""
-    need = nodes * (2 if watched else 1) + 1024
+    so does the standby socket of its first successor; ``intakes`` share them (they inherit
+    the limit: raised before they start). Raise the open-file limit to what ``nodes``
+    need, or say why the job will not fit."""
+    need = -(-nodes * (2 if watched else 1) // max(1, intakes)) + 1024
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft >= need:
         return
@@ -93,8 +94,9 @@ def room_for_connections(nodes: int, watched: bool) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
     if min(need, hard) < need:
         log.warning("open files are limited to %d here, below the %d connections a "
-                    "coordinator of %d nodes needs: agents past that cannot connect; raise "
-                    "`ulimit -n` (LimitNOFILE) on the nodes", hard, need, nodes)
+                    "coordinator of %d nodes needs a process (with %d intakes): agents past "
+                    "that cannot connect; raise `ulimit -n` (LimitNOFILE) on the nodes, or "
+                    "--intakes", hard, need, nodes, intakes)
 
 
 class ControlPlane:
@@ -120,13 +122,13 @@ class ControlPlane:
         self.codec = Codec(secret)
         self.coordinator: Coordinator | None = None
         self._redirecting: Coordinator | None = None  # see _host
+        # Every agent keeps a connection open to the coordinator's first successor (see
+        # _prepare_takeover): ours may be the standby the whole job connects to.
+        room_for_connections(max_nodes, self._watching, intakes)
         self.standby: Port | None = Port(context, addr, 0, node_timeout, secret, intakes,
                                          small=not self._watching, max_nodes=max_nodes,
                                          directory=runtime_dir)
         self.standby_port = self.standby.port
-        # Every agent keeps a connection open to the coordinator's first successor (see
-        # _prepare_takeover): ours may be the standby the whole job connects to.
-        room_for_connections(new_state().max_nodes, self._watching)
         self.members: Successors = ()  # by group rank: who would take over the coordinator
         self.spares: Successors = ()  # the round's spares (they vote: see fail_over)
         self.electorate_epoch = -1  # the epoch members and spares came at (see Heartbeat)
@@ -224,7 +226,7 @@ class ControlPlane:
                                         port=self.standby_port)) if endpoints else None
         if self.coordinator is not None:  # ours at the endpoint, redirecting: newcomers ask it
             self._redirecting = self.coordinator
-        room_for_connections(state.max_nodes, self._watching)
+        room_for_connections(state.max_nodes, self._watching, self._intakes)
         self.coordinator = Coordinator(sock, self._secret, state, takeover, announce)
         self.coordinator.start()
 

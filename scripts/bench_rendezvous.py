@@ -323,9 +323,8 @@ def agents_main(conn, port, ids, n, addr, node_timeout, interval, fds, intakes=0
                 agents.silent.add(args[0])
                 agents.unwatch(args[0])
                 conn.send(agents.last_beat.get(args[0]))
-            elif cmd == "local_ports":  # this process's connections to the coordinator
-                conn.send([c.laddr.port for c in psutil.Process().net_connections("tcp")
-                           if c.raddr and c.raddr.port == port])
+            elif cmd == "machine":  # what this process (its intakes too) holds of TCP
+                conn.send(machine_matches())
             elif cmd == "close":  # its process died: the kernel closes its connections
                 p = agents.planes[args[0]]
                 agents.closed.add(args[0])
@@ -340,8 +339,6 @@ def agents_main(conn, port, ids, n, addr, node_timeout, interval, fds, intakes=0
             elif cmd == "threads":  # the coordinator's thread, if this process hosts it
                 hosts = [p.coordinator for p in agents.planes.values() if p.hosting]
                 conn.send(hosts[0]._thread.native_id if hosts else None)
-            elif cmd == "standby_port":  # where it hosts the coordinator, as a successor
-                conn.send(agents.planes[ids[0]].standby_port)
             elif cmd == "epoch":
                 conn.send(max(agents.epoch.values()))
             elif cmd == "quit":
@@ -429,11 +426,30 @@ class Job:
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
+def machine_matches():
+    """iptables matches of every TCP packet of this process's and its intakes': each
+    connection by its addresses and ports (every agent connects from 127.0.0.1, and at
+    16,384 agents an ephemeral port number is used by several: a port alone would silence
+    others too), each listening port by its address."""
+    matches = []
+    for proc in [psutil.Process(), *psutil.Process().children()]:
+        for c in proc.net_connections("tcp"):
+            if c.status == psutil.CONN_LISTEN:
+                matches += [["-d", c.laddr.ip, "--dport", str(c.laddr.port)],
+                            ["-s", c.laddr.ip, "--sport", str(c.laddr.port)]]
+            elif c.raddr:
+                matches += [["-s", c.laddr.ip, "--sport", str(c.laddr.port),
+                             "-d", c.raddr.ip, "--dport", str(c.raddr.port)],
+                            ["-s", c.raddr.ip, "--sport", str(c.raddr.port),
+                             "-d", c.laddr.ip, "--dport", str(c.laddr.port)]]
+    return matches
+
+
 @contextlib.contextmanager
-def silenced(ports):
-    """Nothing in or out of these local TCP ports (loopback): iptables rules, removed after."""
-    rules = [["-p", "tcp", flag, str(port), "-j", "DROP"] for port in ports
-             for flag in ("--sport", "--dport")]
+def silenced(matches):
+    """Nothing of these TCP packets (loopback; machine_matches): iptables rules, removed
+    after."""
+    rules = [["-p", "tcp", *match, "-j", "DROP"] for match in matches]
     added = []
     try:
         for rule in rules:
@@ -560,8 +576,7 @@ def bench_ftlaunch(n, args):
         out["reformed_after_silent_s"] = job.wait("start", epoch + 1, limit)[1] - last
         if can_silence():  # a silent machine: agent 3's process stopped, its port dropped
             epoch = max(job.ask("epoch"))
-            ports = job.ask("local_ports", which=[3])[0]
-            with silenced(ports):
+            with silenced(job.ask("machine", which=[3])[0]):
                 machine_at = time.monotonic()
                 job.stop(3)
                 first, last = job.wait("recover", epoch, limit + 2 * args.node_timeout)
@@ -587,12 +602,12 @@ def bench_ftlaunch(n, args):
         out["failover_dead_ready_s"] = job.wait("start", epoch + 1, limit,
                                                 which=survivors)[1] - killed_at
         # The successor's machine goes silent (agent 1's process stopped; with iptables,
-        # its port dropped too): agent 2 takes over. First the job settles for a heartbeat
+        # its packets dropped too): agent 2 takes over. First the job settles for a heartbeat
         # interval, as between faults: survivors connect to their next successor then.
         time.sleep(membership.beat_interval(args.heartbeat_interval, n))
         epoch = max(job.ask("epoch", which=survivors))
-        standby = job.ask("standby_port", which=[1])[0]
-        with silenced([standby]) if can_silence() else contextlib.nullcontext():
+        machine = job.ask("machine", which=[1])[0]
+        with silenced(machine) if can_silence() else contextlib.nullcontext():
             stopped_at = time.monotonic()
             job.stop(1)
             survivors = survivors[1:]

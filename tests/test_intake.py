@@ -235,6 +235,35 @@ def test_a_fixed_port_is_one_ports_however_its_rivals_bind_it(ctx):
         plain.close(linger=0)  # (ZeroMQ's I/O thread frees the port after the call)
 
 
+def test_an_agents_intakes_start_with_room_for_their_share_of_a_large_jobs_connections(
+        tmp_path):
+    """Intakes inherit the agent's open-file limit: at 16,384 nodes (two connections each:
+    the watch) the endpoint's and the standby's two intakes need 16,384 each. The standby's
+    started before the agent raised its limit, with the 1,024 a shell gives: most agents
+    could not have connected."""
+    agent = subprocess.run([sys.executable, "-c", """
+import os, resource, socket, sys, psutil, zmq
+from launcher.control_plane import ControlPlane
+from launcher.coordinator import JobState
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+state = lambda: JobState(min_nodes=1, max_nodes=16384, max_restarts=0, policy="job", backoff=0.0,
+                         backoff_max=0.0, exit_barrier_timeout=5.0, node_timeout=5.0,
+                         last_call=0.2, join_timeout=10.0, host_node="")
+plane = ControlPlane(zmq.Context(), b"intake-test-secret-0123456789abcd", "a", "127.0.0.1",
+                     ("127.0.0.1", port), state, 5.0, 0.5, 2, sys.argv[1])
+assert plane.hosting
+print(*[p.rlimit(psutil.RLIMIT_NOFILE)[0] for p in psutil.Process().children()
+        if "launcher.intake" in p.cmdline()], flush=True)
+os._exit(0)  # its intakes die with it (PR_SET_PDEATHSIG)
+""", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert agent.returncode == 0, agent.stderr
+    limits = [int(limit) for limit in agent.stdout.split()]
+    assert len(limits) == 4 and min(limits) >= 16384, limits
+
+
 def test_intakes_die_with_their_agent():
     """An agent SIGKILLed leaves no intake behind (PR_SET_PDEATHSIG)."""
     agent = subprocess.Popen([sys.executable, "-c", """
