@@ -77,7 +77,7 @@ if step 5 && [ "$(nproc)" -ge 8 ]; then
       | tee "$OUT/coordinator_16384_cpus${cpus}_io$io.txt"
   done
   for intakes in 0 6; do  # the takeover's per-node work over processes: docs/scale.md
-    for order in --joins-first "--joins-spread 1"; do
+    for order in --joins-first "--joins-spread 1" --formation; do
       echo "coordinator CPUs 8, intakes $intakes, $order" \
         | tee -a "$OUT/coordinator_16384_joins_first.txt"
       timeout 200 "$PY" scripts/bench_coordinator.py --nodes 16384 --takeover-only $order \
@@ -90,7 +90,7 @@ if step 5 && [ "$(nproc)" -ge 8 ]; then
     --coordinator-cpus 2 2>&1 | tee -a "$OUT/coordinator_16384_joins_first.txt"
 fi
 if step 6 && [ "$(nproc)" -ge 8 ]; then
-  timeout 420 "$PY" scripts/bench_rendezvous.py --sizes 16384 --torch-max 0 \
+  timeout 420 "$PY" scripts/bench_rendezvous.py --sizes 16384 --torch-max 0 --intakes 3 \
     --procs $(( $(nproc) - 4 )) --out-json "$OUT/rendezvous_16384.json" 2>&1 \
     | tee "$OUT/rendezvous_16384.txt"
 fi

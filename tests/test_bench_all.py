@@ -144,6 +144,24 @@ def test_the_coordinator_bench_can_queue_the_joins_before_the_successor_serves(i
 
 
 @needs_two_cpus
+def test_the_coordinator_bench_times_a_job_forming_through_an_intake():
+    """--formation: a fresh coordinator and all N agents joining (N of N), through an
+    intake as at an endpoint served by intakes: the round closes once the last join is in,
+    and every agent's assign comes after it."""
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench_coordinator.py"), "--nodes", "32",
+                           "--formation", "--intakes", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "formation: joins sent s" in done.stdout
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| 32 | "))
+    cells = row.strip("| ").split(" | ")
+    assert cells[1:4] == ["-", "-", "-"], row  # no heartbeats
+    joins_sent, closed, queued, first, last, after = (float(cell) for cell in cells[4:10])
+    assert 0 <= joins_sent <= closed <= queued and closed <= first <= last, row
+    assert after == pytest.approx(last - joins_sent, abs=0.011), row
+
+
+@needs_two_cpus
 def test_the_coordinator_benchs_socket_floor_answers_every_join():
     """--socket-floor: the joins read and one assign's encoding sent to each, as the
     receivers check it (each its own sequence): every survivor gets it (the survivors wait
