@@ -115,20 +115,33 @@ def end_connections_to(port: int) -> str:
 @contextlib.contextmanager
 def silenced(ports: list[int]) -> Iterator[None]:
     """Nothing in or out of the connections to these listening TCP ports (loopback: as if
-    the machine behind them were gone), until the block ends. Matched by the port each
-    connection was made to (conntrack's original destination), both ways: a rule on the
+    the machine behind them were gone), until the block ends: each connection of this
+    test's processes to one, by both ends' ports, and any new one (its SYN). A rule on the
     port number alone also dropped every connection whose own ephemeral port had that
-    number, the other test worker's among them (test_intake.py's dead agent, its probe or
-    its close dropped, was not lost in time: 1 suite run in several)."""
-    rules = [["-p", "tcp", "-m", "conntrack", "--ctorigdstport", str(port), "-j", "DROP"]
-             for port in ports]
+    number, the other test worker's among them (test_intake.py's dead agent, its join or
+    its probe dropped, was not lost in time: 1 suite run in 2); conntrack's original
+    destination cannot stand in (its hooks start with the first rule that needs them, and
+    pick up a live connection from whichever end speaks first)."""
+    me = psutil.Process()
+    ends = set()
+    for proc in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for c in proc.net_connections("tcp"):
+                if c.raddr and c.laddr.port in ports:  # the listener's end: (port, peer's)
+                    ends.add((c.laddr.port, c.raddr.port))
+                elif c.raddr and c.raddr.port in ports:  # the client's end
+                    ends.add((c.raddr.port, c.laddr.port))
+    rules = [["-p", "tcp", "--syn", "--dport", str(port)] for port in ports]
+    for port, peer in sorted(ends):
+        rules += [["-p", "tcp", "--sport", str(port), "--dport", str(peer)],
+                  ["-p", "tcp", "--sport", str(peer), "--dport", str(port)]]
     for rule in rules:
-        subprocess.run(["iptables", "-I", "INPUT", *rule], check=True)
+        subprocess.run(["iptables", "-I", "INPUT", *rule, "-j", "DROP"], check=True)
     try:
         yield
     finally:
         for rule in rules:
-            subprocess.run(["iptables", "-D", "INPUT", *rule])
+            subprocess.run(["iptables", "-D", "INPUT", *rule, "-j", "DROP"])
 
 
 def tagged_processes(tag: str) -> list[psutil.Process]:
