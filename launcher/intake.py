@@ -181,7 +181,8 @@ class Port:
     or by ``count`` intake processes alone. Then the ROUTER is bound nowhere, and the port is
     held by a socket bound to it that does not listen (so the kernel gives it no
     connection), from before the intakes start to after they stop: no other job takes it
-    meanwhile, and a standby's port stays its own while its coordinators come and go."""
+    meanwhile, and a standby's port stays its own while its coordinators come and go. Such
+    a port is claimed too (_claim): no other Port of ours shares it."""
 
     def __init__(self, context: zmq.Context, addr: str, port: int, node_timeout: float,
                  secret: bytes, count: int = 0, small: bool = False, max_nodes: int = 1,
