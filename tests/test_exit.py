@@ -19,25 +19,25 @@ import pytest
 REPEATS = 12
 
 DRIVER = textwrap.dedent("""
-    import json, os, socket, sys, time
+    import ctypes, datetime, json, os, sys, time
     import torch, torch.distributed as dist
     import torch._dynamo  # the first optimizer step imports it: once here, not in every rank
     import trainer_shim as ft
 
-    def free_port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
     def job(body, root, repeats):
         codes = []
         for i in range(repeats):
-            port, pids = free_port(), []
+            pids = []
+            # A file store: a free port picked here and bound by rank 0 later could be taken
+            # meanwhile (the other test worker binds ports all the time), and rank 1 then
+            # waited for a store that never came (1 suite run: 5 minutes, then left behind).
+            store = os.path.join(root, f"store{i}")
             for rank in (0, 1):
                 pid = os.fork()
                 if pid == 0:  # a rank: run, then exit through the interpreter's full shutdown
-                    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                            rank=rank, world_size=2)
+                    ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG: gone with this driver
+                    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                            world_size=2, timeout=datetime.timedelta(seconds=60))
                     body(rank, os.path.join(root, str(i)))
                     sys.exit(0)
                 pids.append(pid)
