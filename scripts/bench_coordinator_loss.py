@@ -31,7 +31,8 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_node_loss import Agent, free_port, wait_listening  # noqa: E402  (same harness)
+from bench_node_loss import Agent, wait_listening  # noqa: E402  (same harness)
+from ports import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -74,7 +74,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench_rendezvous import free_port
+from ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

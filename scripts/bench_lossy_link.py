@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import netns  # noqa: E402
-from bench_rendezvous import Agents, free_port  # noqa: E402
+from bench_rendezvous import Agents  # noqa: E402  (same harness)
+from ports import free_port  # noqa: E402
 
 from launcher import membership  # noqa: E402
 

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import psutil
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,12 +143,6 @@ def wait_listening(port: int, timeout: float = 120) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("node a's coordinator never listened")
         time.sleep(0.05)  # the kernel's socket table: no event to wait on
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def drop_caches() -> bool:

@@ -49,6 +49,7 @@ import time
 
 import psutil
 import zmq
+from ports import free_port
 
 from ftlaunch_contract.messages import Assign, Join, RankState, Recover, Redirect, Start, StoreReady
 from launcher import membership
@@ -86,12 +87,6 @@ def raise_nofile(want):
             want = hard
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
     return max(soft, want)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds():

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import netns
 import psutil
+from ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "scripts" / "train_gpt.py"
@@ -398,7 +399,7 @@ class Job:
 
     def __init__(self, opts: Options, work: Path, tag: str):
         self.opts, self.work, self.tag = opts, work, tag
-        self.port = _free_port()
+        self.port = free_port()
         self.out = Lines(opts.verbose)
         self.agents: list[subprocess.Popen] = []  # every agent started, in order
         self.starts: list[list[subprocess.Popen]] = []  # per start of the job
@@ -539,12 +540,6 @@ class Job:
 
     def alive(self) -> list[subprocess.Popen]:
         return [p for p in self.agents if p.poll() is None]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_listening(port: int, proc: subprocess.Popen, node: netns.Node | None,

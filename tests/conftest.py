@@ -22,6 +22,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 TAG_VAR = "FTLAUNCH_TEST_TAG"
 
+sys.path.insert(0, str(SCRIPTS))  # the runners tests drive (chaos, benches) and their helpers
+from ports import take_share  # noqa: E402  (on the path just above)
+
+# each xdist worker picks ports from its own share: the other's picks never meet its own
+take_share(int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0),
+           int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
 
 class Launch:
     """A running ``ftlaunch`` whose merged output can be awaited line by line."""

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import psutil
+from ports import free_port
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "scontrol", "srun", "scancel", "sinfo")
 HOSTS_FILE = Path("/etc/hosts")
@@ -41,12 +42,6 @@ def missing() -> str | None:
     if not os.access(HOSTS_FILE, os.W_OK):
         return f"{HOSTS_FILE} is not writable: the fake nodes' names cannot be made to resolve"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _port_free(port: int) -> bool:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from conftest import ROOT
+from ports import free_port
 
 AFTER_AN_ABORT = """\
 import cProfile, threading
@@ -182,12 +183,7 @@ def worker(rank, ports, released):
     os._exit(0)  # not what is tested: a bare script's exit with gloo groups alive may abort
 
 if __name__ == "__main__":
-    import socket
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = [int(port) for port in sys.argv[1:3]]
     context = mp.get_context("spawn")
     mp.spawn(worker, args=(ports, context.Event()), nprocs=2)
 """
@@ -200,8 +196,8 @@ def test_a_parked_rank_lets_go_of_a_group_whose_pending_work_will_never_finish(t
     attempt's group works in the same process."""
     script = tmp_path / "release.py"
     script.write_text(RELEASE_WITH_WORK_PENDING)
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, timeout=120,
-                          capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(script), str(free_port()), str(free_port())],
+                          cwd=tmp_path, timeout=120, capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stdout + done.stderr
     lines = sorted(done.stdout.splitlines())

@@ -7,11 +7,9 @@ import re
 import subprocess
 import sys
 
+import bench_all
 import pytest
 from conftest import ROOT, SCRIPTS
-
-sys.path.insert(0, str(SCRIPTS))
-import bench_all  # noqa: E402
 
 
 @pytest.mark.parametrize("bench", bench_all.BENCHES, ids=lambda b: b.name)

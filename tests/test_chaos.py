@@ -12,14 +12,12 @@ import subprocess
 import sys
 import types
 
+import chaos
 import pytest
 from conftest import ROOT, SCRIPTS
 
-sys.path.insert(0, str(SCRIPTS))
-import chaos  # noqa: E402
-
-from ftlaunch_contract import shards  # noqa: E402
-from ftlaunch_contract.storage import open_storage  # noqa: E402
+from ftlaunch_contract import shards
+from ftlaunch_contract.storage import open_storage
 
 T0 = 1000.0
 

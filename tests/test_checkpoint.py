@@ -586,11 +586,10 @@ def _two_ranks(phase, root, script=AGREE):
 def _processes(script, argvs, root):
     """Each argv's process, a rank of one gloo group (its port appended): their last lines."""
     import json
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ports import free_port
+
+    port = free_port()
     ran = torch_procs.run_all(script, [[*argv, str(port)] for argv in argvs],
                               Path(root) / ".stdout", timeout=180)
     assert [code for code, _ in ran] == [0] * len(argvs), ran

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 
 from ftlaunch_contract import staging
 from trainer_shim.checkpoint import AsyncCheckpointer, CheckpointError
@@ -24,9 +25,7 @@ def s3_server():
     server = str(Path(sys.executable).with_name("moto_server"))  # this environment's
     if not os.path.exists(server):
         pytest.fail("moto_server missing: pip install -e '.[test]'")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60

@@ -110,9 +110,10 @@ def test_a_fatal_finding_stops_a_single_node_job_with_exit_3(tmp_path, launch):
 def test_a_fatal_node_is_excluded_and_the_other_goes_on(tmp_path, launch):
     """Two loopback nodes (--nnodes 1:2): node B's GPU falls off the bus mid-training; B
     stops its ranks and exits 3; A recovers alone from the last checkpoint and finishes."""
-    from test_multinode import _free_port, _wait_listening
+    from ports import free_port
+    from test_multinode import _wait_listening
 
-    port, out = _free_port(), tmp_path / "result.json"
+    port, out = free_port(), tmp_path / "result.json"
     gate = tmp_path / "gpu-lost"
     scenario = _scenario(tmp_path, "lost", [
         {"when": str(gate), "gpu": 0, "set": {"lost": True, "xids": [79]}}], gpus=1)

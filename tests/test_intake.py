@@ -15,6 +15,7 @@ import psutil
 import pytest
 import zmq
 from conftest import JOIN_AND_DIE
+from ports import free_port
 
 from ftlaunch_contract.messages import CONTROL, Assign, Redirect
 from ftlaunch_contract.protocol import Codec
@@ -245,13 +246,11 @@ def test_an_agents_intakes_start_with_room_for_their_share_of_a_large_jobs_conne
     started before the agent raised its limit, with the 1,024 a shell gives: most agents
     could not have connected."""
     agent = subprocess.run([sys.executable, "-c", """
-import os, resource, socket, sys, psutil, zmq
+import os, resource, sys, psutil, zmq
 from launcher.control_plane import ControlPlane
 from launcher.coordinator import JobState
 resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+port = int(sys.argv[2])
 state = lambda: JobState(min_nodes=1, max_nodes=16384, max_restarts=0, policy="job", backoff=0.0,
                          backoff_max=0.0, exit_barrier_timeout=5.0, node_timeout=5.0,
                          last_call=0.2, join_timeout=10.0, host_node="")
@@ -261,7 +260,7 @@ assert plane.hosting
 print(*[p.rlimit(psutil.RLIMIT_NOFILE)[0] for p in psutil.Process().children()
         if "launcher.intake" in p.cmdline()], flush=True)
 os._exit(0)  # its intakes die with it (PR_SET_PDEATHSIG)
-""", str(tmp_path)], capture_output=True, text=True, timeout=60)
+""", str(tmp_path), str(free_port())], capture_output=True, text=True, timeout=60)
     assert agent.returncode == 0, agent.stderr
     limits = [int(limit) for limit in agent.stdout.split()]
     assert len(limits) == 4 and min(limits) >= 16384, limits

@@ -9,14 +9,9 @@ import urllib.request
 
 import pytest
 from conftest import SCRIPTS
+from ports import free_port
 
 from launcher.metrics import Metrics, cause_kind
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scrape(port: int) -> dict[str, float]:
@@ -28,7 +23,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 def test_a_scrape_during_a_job_shows_the_restart_the_recovery_and_each_ranks_heartbeat(
         tmp_path, launch):
-    port = _free_port()
+    port = free_port()
     run = launch("--standalone", "--nproc-per-node", "2", "--metrics-port", str(port),
                  str(SCRIPTS / "train_gpt.py"), "--steps", "400", "--step-time", "0.02",
                  "--shim", "--log-every", "10", "--async-ckpt", "--ckpt-every", "10",

@@ -7,21 +7,21 @@ import contextlib
 import json
 import re
 import signal
-import socket
 import time
 
 import psutil
 import pytest
-from conftest import SCRIPTS, end_connections_to, faults_over, held_before_last_step, needs_ss_kill
+from conftest import (
+    SCRIPTS,
+    end_connections_to,
+    faults_over,
+    held_before_last_step,
+    needs_ss_kill,
+)
+from ports import free_port
 
 TRAIN = str(SCRIPTS / "train_gpt.py")
 FAST_LIVENESS = ["--node-timeout", "2", "--heartbeat-interval", "0.2"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_listening(port: int, timeout: float = 90) -> None:
@@ -97,7 +97,7 @@ def _train_args(tmp_path, steps=80):
 
 
 def _two_nodes(launch, tmp_path, nnodes="1:2", steps=80):
-    port = _free_port()
+    port = free_port()
     first = _node(launch, port, nnodes, *_train_args(tmp_path, steps))
     _wait_listening(port)
     second = _node(launch, port, nnodes, *_train_args(tmp_path, steps))
@@ -144,7 +144,7 @@ def test_coordinator_loss_successor_takes_over(tmp_path, launch, intakes):
     With --intakes the rendezvous endpoint and every standby port are served by intake
     processes (launcher.intake): the job forms through the endpoint's, the takeover goes
     through the successor's, and they end with their agent."""
-    port = _free_port()
+    port = free_port()
     slow = ["--node-timeout", "60", "--intakes", str(intakes)]  # after FAST_LIVENESS: wins
     args = [*_train_args(tmp_path), "--shim"]  # re-enterable: a survivor resumes in place
     coordinator_node = _node(launch, port, "1:2", *args, extra=slow)
@@ -181,7 +181,7 @@ def test_control_connections_the_kernel_ends_while_every_agent_lives_cost_nothin
     each other (chaos 3-node seed 1587: the coordinator replaced a live node). Here the
     kernel aborts every agent's connection to the coordinator (ss -K): each end probes the
     other's machine, finds its agent there, and the job trains on without a recovery."""
-    port = _free_port()
+    port = free_port()
     coordinator_node, worker_node = _node(launch, port, "2", *_train_args(tmp_path)), None
     _wait_listening(port)
     worker_node = _node(launch, port, "2", *_train_args(tmp_path))
@@ -203,7 +203,7 @@ def test_control_connections_the_kernel_ends_while_every_agent_lives_cost_nothin
 
 
 def test_late_joiner_scales_the_job_up(tmp_path, launch):
-    port = _free_port()
+    port = free_port()
     held = held_before_last_step(tmp_path)  # never done before the late node is in
     alone = _node(launch, port, "1:2", *_train_args(tmp_path, steps=40), env=held)
     alone.wait_for(r"\[rank0\]: start rank 0 world 1 ")
@@ -218,7 +218,7 @@ def test_late_joiner_scales_the_job_up(tmp_path, launch):
 
 
 def test_min_nodes_not_reached_is_a_clear_timeout(tmp_path, launch):
-    port = _free_port()
+    port = free_port()
     run = launch("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint",
                  f"127.0.0.1:{port}", "--rdzv-id", "job", "--rdzv-conf", "join_timeout=1.5",
                  *FAST_LIVENESS, TRAIN, "--steps", "5")
@@ -235,7 +235,7 @@ def test_forged_replayed_and_garbage_messages_harm_nothing(tmp_path, launch):
     from ftlaunch_contract.messages import Failure, Leave
     from ftlaunch_contract.protocol import Codec
 
-    port = _free_port()
+    port = free_port()
     env = {"FTLAUNCH_SECRET": "s3cret-job-key"}
     first = _node(launch, port, "2", *_train_args(tmp_path, steps=60), env=env)
     _wait_listening(port)
@@ -278,7 +278,7 @@ def test_forged_replayed_and_garbage_messages_harm_nothing(tmp_path, launch):
 
 def test_torchrun_static_form_command_line(tmp_path, launch):
     """`--nnodes 2 --node-rank K --master-addr A --master-port P`: served by our rendezvous."""
-    port = _free_port()
+    port = free_port()
     args = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
             "--master-port", str(port), *FAST_LIVENESS,
             *_train_args(tmp_path, steps=10)]
@@ -298,7 +298,7 @@ def test_fsdp_job_shrinks_when_a_node_is_lost_and_grows_when_one_joins(tmp_path,
     keep): nothing is persisted (--persist-every beyond the run), so storage has no step to
     offer; otherwise a step made durable before its copy reached a peer would rightly be
     restored from storage (the newest step wins), and which comes first is a race."""
-    port = _free_port()
+    port = free_port()
     logs = tmp_path / "logs"
     args = [*_train_args(tmp_path, steps=120), "--async-ckpt", "--fsdp", "--persist-every", "1000"]
     extra = [["--log-dir", str(logs / f"node{i}")] for i in range(4)]
@@ -354,7 +354,7 @@ def test_a_hot_spare_restores_a_lost_nodes_ranks_from_a_peers_memory(tmp_path, l
     steps = 30
     args = [*_train_args(tmp_path, steps=steps), "--async-ckpt", "--fsdp", "--step-time", "0.05",
             "--persist-every", "1000"]
-    port = _free_port()
+    port = free_port()
     logs = tmp_path / "logs"
     extra = [["--log-dir", str(logs / f"node{i}")] for i in range(4)]
     held = held_before_last_step(tmp_path)

@@ -403,9 +403,10 @@ def test_the_abort_goes_to_the_thread_running_the_training_function(tmp_path, la
 def test_rank_policy_across_two_nodes(request, tmp_path, launch, reference):
     """Two agents (nodes) on loopback, one rank each, shim script: rank 1's process is killed;
     the other node's rank re-enters in place and both resume from one checkpoint."""
-    from test_multinode import _free_port, _wait_listening
+    from ports import free_port
+    from test_multinode import _wait_listening
 
-    port, out = _free_port(), tmp_path / "result.json"
+    port, out = free_port(), tmp_path / "result.json"
     env = {"TRAIN_FAULT_RANK": "1", "TRAIN_FAULT_STEP": "10", "TRAIN_FAULT_KIND": "kill"}
     nodes = []
     for _ in range(2):

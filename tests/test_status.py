@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import psutil
 import pytest
 from conftest import ROOT, SCRIPTS
+from ports import free_port
 
 from launcher.status import local_jobs
 
 TRAIN = str(SCRIPTS / "train_gpt.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _status(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -38,7 +32,7 @@ def runtime(tmp_path, monkeypatch):
 
 
 def test_status_shows_every_node_and_rank_of_a_running_job(tmp_path, launch, runtime):
-    port = _free_port()
+    port = free_port()
     secret = {"FTLAUNCH_SECRET": "status-test-secret"}
     args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "statusjob",

@@ -4,7 +4,6 @@ waits for no TCP accept and no handshake (real sockets, a real Coordinator)."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 
@@ -12,6 +11,7 @@ import psutil
 import pytest
 import zmq
 from conftest import needs_iptables, silenced
+from ports import free_port
 
 from ftlaunch_contract.messages import CONTROL, Assign, Join
 from ftlaunch_contract.protocol import Codec
@@ -90,9 +90,7 @@ def test_survivors_follow_the_successor_on_a_connection_opened_before_the_coordi
         intakes):
     """With --intakes, the standby's connections are its intake processes' (launcher.intake):
     the same takeover, served through them."""
-    with socket.socket() as probe:  # closed at once (a ZeroMQ socket lets go of it later)
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     ctx = zmq.Context()
     a = ControlPlane(ctx, SECRET, "node-a:1", "127.0.0.1", ("127.0.0.1", port), _state,
                      NODE_TIMEOUT, 0.5, intakes)
@@ -140,9 +138,7 @@ def test_a_follower_whose_connection_to_the_successor_blinked_waits_for_it(comes
     node, then the coordinator's node killed). It now gives the connection the node timeout
     to come back, and follows the successor; one that never does is lost after it."""
     node_timeout = 1.0
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     ctx = zmq.Context()
 
     def three() -> JobState:
@@ -200,9 +196,7 @@ def test_a_followers_idle_connection_to_the_successor_timed_out_unseen_is_not_it
     1149: 25 % loss on the successor's node, then the coordinator's node killed). It now gives
     the successor the node timeout to be reached again, and its join goes out once it is."""
     node_timeout = 2.0  # the kernel times the idle connections out ~3 s into the silence
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
 
     def two() -> JobState:
         state = _state()
