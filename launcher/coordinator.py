@@ -69,7 +69,8 @@ log = logging.getLogger("ftlaunch.coordinator")
 TICK_SECONDS = 0.05
 FOLLOWED_QUIET = 10 * TICK_SECONDS  # a successor announcing itself missed that many: gone
 MAX_PACE = 0.02  # see pace()
-_NOBLOCK, _SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)  # see _send_frames
+_NOBLOCK, _SNDMORE, _POLLIN = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.POLLIN)  # as ints:
+# each use of zmq's enums costs a Python call (see _send_frames)
 PEER_ERROR_GRACE = 0.5  # seconds a peer error waits for the failure that caused it
 ACK_WITHIN = 0.25
 LARGE_ACK_WITHIN = 0.75
@@ -686,10 +687,9 @@ class Coordinator:
 
     def _drain_socket(self) -> bool:
         for _ in range(DRAIN_BATCH):
-            try:  # one zmq.Again a wake-up (a large job's serve several messages: see pace)
-                parts = [self._socket.recv(_NOBLOCK, copy=False)]
-            except zmq.Again:
-                return True
+            if not int(self._socket.getsockopt(zmq.EVENTS)) & _POLLIN:  # asked: a zmq.Again
+                return True  # costs more than a message
+            parts = [self._socket.recv(copy=False)]
             while parts[-1].more:  # a message's frames come together
                 parts.append(self._socket.recv(copy=False))
             try:

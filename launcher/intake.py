@@ -16,8 +16,9 @@ intake (a DEALER whose routing id is its index, 1-255), msgpack lists:
     intake -> hub   ["up"]  ["in", [fd, ...], [[id, fd, kind, epoch, sid, seq, fields], ...]]
                     (connections closed, read first, then messages: see _forward)
                     ["probed", token, [id, ...]]
-    hub -> intake   ["out", [[0, id, frame, ...] | [1, head, kind, own, [[id, seq, values], ...]],
-                            ...]]  (frames to send; messages to sign first: Codec.sign)
+    hub -> intake   ["out", [[0, [frame, ...], [id, ...]] | [1, head, kind, own,
+                                                             [[id, seq, values], ...]], ...]]
+                    (frames to send, to each id; messages to sign first: Codec.sign)
                     ["probe", token, [id, ...], [frame, ...]]  ["stop"]
 
 In the coordinator a connection's identity is the intake's index byte before its ZeroMQ
@@ -89,8 +90,13 @@ class Intakes:
         self._token = 0
 
     def send(self, identity: bytes, frames: list[bytes]) -> None:
-        """Queue ``frames`` to an intake's connection; sent at the next flush()."""
-        self._out[identity[0]].append([FRAMES, identity[1:], *frames])
+        """Queue ``frames`` to an intake's connection; sent at the next flush(). The same
+        frames (the same list: a shared encoding, as heartbeat acks and broadcasts are)
+        queued for several in a row are packed once."""
+        out = self._out[identity[0]]
+        if not out or out[-1][0] != FRAMES or out[-1][1] is not frames:
+            out.append([FRAMES, frames, []])
+        out[-1][2].append(identity[1:])
 
     def send_signed(self, identity: bytes, head: bytes, kind: str, own: tuple[str, ...],
                     values: tuple, seq: int) -> None:
@@ -113,16 +119,18 @@ class Intakes:
         for _ in range(limit):
             if self._held:
                 index, msg = self._held.popleft()
+            elif not _readable(self.hub):  # asked: a zmq.Again costs more than a message
+                return
             else:
                 try:
                     index, msg = self._read(zmq.NOBLOCK)
-                except zmq.Again:
+                except zmq.Again:  # what there was was dropped (_read)
                     return
             yield from self._events(index, msg)
 
     def pending(self) -> bool:
         """Whether something forwarded waits to be received."""
-        return bool(self._held) or bool(int(self.hub.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+        return bool(self._held) or _readable(self.hub)
 
     def _read(self, flags: int = 0) -> tuple[int, list]:
         while True:
@@ -318,7 +326,7 @@ def serve(config: dict) -> None:
             ready = dict(poller.poll(1000))
             woke = time.monotonic()
             if monitor in ready or router in ready:
-                _forward(monitor, router, link, codec)
+                _forward(monitor if monitor in ready else None, router, link, codec)
             if link in ready and not _answer(link, router, codec):
                 return
             if ready and (rest := woke + config["pace"] - time.monotonic()) > 0:
@@ -330,23 +338,22 @@ def serve(config: dict) -> None:
         context.term()
 
 
-def _forward(monitor: zmq.Socket, router: zmq.Socket, link: zmq.Socket, codec: Codec) -> None:
-    """The closes reported, then the messages queued, in one: as the coordinator reads its
-    own socket (a closed descriptor may be reused; a close may come before the last words
-    on it, which are queued by then), so that what it takes for an emptied queue is one."""
+def _forward(monitor: zmq.Socket | None, router: zmq.Socket, link: zmq.Socket,
+             codec: Codec) -> None:
+    """The closes reported (``monitor``: when it has some), then the messages queued, in
+    one: as the coordinator reads its own socket (a closed descriptor may be reused; a close
+    may come before the last words on it, which are queued by then), so that what it takes
+    for an emptied queue is one. Whether a socket has more is asked, not found by a
+    zmq.Again: an exception costs more than a message here."""
     fds = []
-    while True:
-        try:
-            fds.append(recv_monitor_message(monitor, zmq.NOBLOCK)["value"])
-        except zmq.Again:
-            break
+    while monitor is not None and _readable(monitor):
+        fds.append(recv_monitor_message(monitor)["value"])
     while True:
         batch = []
         for _ in range(BATCH):
-            try:
-                parts = [router.recv(zmq.NOBLOCK, copy=False)]
-            except zmq.Again:
+            if not _readable(router):
                 break
+            parts = [router.recv(copy=False)]
             while parts[-1].more:
                 parts.append(router.recv(copy=False))
             try:
@@ -364,6 +371,10 @@ def _forward(monitor: zmq.Socket, router: zmq.Socket, link: zmq.Socket, codec: C
             return
 
 
+def _readable(sock: zmq.Socket) -> bool:
+    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
 def _send(router: zmq.Socket, identity: bytes, frames: list[bytes]) -> None:
     router.send(identity, zmq.SNDMORE)
     last = len(frames) - 1
@@ -373,17 +384,15 @@ def _send(router: zmq.Socket, identity: bytes, frames: list[bytes]) -> None:
 
 def _answer(link: zmq.Socket, router: zmq.Socket, codec: Codec) -> bool:
     """What the coordinator asked; False once told to stop."""
-    while True:
-        try:
-            msg = _unpack(link.recv(zmq.NOBLOCK))
-        except zmq.Again:
-            return True
+    while _readable(link):
+        msg = _unpack(link.recv())
         if msg[0] == "stop":
             return False
         if msg[0] == "out":
             for entry in msg[1]:
                 if entry[0] == FRAMES:
-                    _send(router, entry[1], entry[2:])
+                    for identity in entry[2]:
+                        _send(router, identity, entry[1])
                     continue
                 _, head, kind, own, rows = entry
                 for identity, seq, values in rows:
@@ -396,6 +405,7 @@ def _answer(link: zmq.Socket, router: zmq.Socket, codec: Codec) -> bool:
         elif msg[0] == "probe":
             _, token, identities, frames = msg
             link.send(_pack(["probed", token, sorted(unroutable(router, identities, frames))]))
+    return True
 
 
 def main() -> None:
