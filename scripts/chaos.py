@@ -69,6 +69,7 @@ ALL_KINDS = (*KINDS, "coordinator-partition")  # drawn only when named (older se
 MULTI_NODE = (*NODE_KINDS, *PARTITIONS)  # drawn only when the job has 2+ nodes
 TAG_VAR = "FTLAUNCH_CHAOS_TAG"
 CKPT_EVERY = 5
+HOLD_AHEAD = 20  # steps past the next fault's the job may train before it is injected (run_job)
 START = re.compile(r"start rank (\d+) world (\d+) pid (\d+) resume_from (\d+)")
 STEP = re.compile(r"step (\d+) loss (\S+) rank (\d+)")
 PREEMPTED = 128 + signal.SIGTERM
@@ -413,6 +414,7 @@ class Job:
         for sub in ("tmp", "chaos", "logs", "ckpt"):
             (work / sub).mkdir(parents=True, exist_ok=True)
         (work / "chaos" / "unpaced").unlink(missing_ok=True)  # paced until the faults are over
+        (work / "chaos" / "hold").unlink(missing_ok=True)
         self.mounted = any(f.kind == "disk" for f in opts.schedule())
         if self.mounted:  # a file system that can be filled without filling the machine's
             subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(work / "ckpt")],
@@ -673,13 +675,14 @@ def wait_recovered(job: Job, injected: Injected, timeout: float = 120) -> None:
 
 def restarted_since(job: Job, at: int) -> int:
     """Where the next fault's wait for a step starts: at the first ranks started since line
-    ``at`` (the recovery's), else now. Not at the recovery's end: the job may have trained up
-    to its hold before the last step by then (a cut node healed and rejoined after three
-    partitions in a row: chaos seed 5701's runner waited for a step that never came)."""
+    ``at`` (the recovery's), else at ``at`` (no ranks restarted: the steps since are the same
+    ranks'). Not at the recovery's end: the job may have trained up to its hold by then (a
+    cut node healed and rejoined after three partitions in a row: chaos seed 5701's runner
+    waited for a step that never came; a lossy link ridden out, seed 27116's)."""
     try:
         return job.out.wait(START.pattern, at, timeout=0)[0]
     except (TimeoutError, EOFError):
-        return len(job.out.lines)
+        return at
 
 
 def held(job: Job, since: float) -> bool:
@@ -743,15 +746,28 @@ def strand(job: Job, agent: subprocess.Popen) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
+def hold_at(job: Job, step: int) -> None:
+    """The step the job may reach and not train until moved on (train_gpt.py): replaced
+    whole, never read half-written."""
+    staged = job.work / "chaos" / "hold.new"
+    staged.write_text(str(step))
+    staged.replace(job.work / "chaos" / "hold")
+
+
 def run_job(opts: Options, work: Path) -> Run:
     job = Job(opts, work, uuid.uuid4().hex)
     plan = opts.schedule()
     injected: list[Injected] = []
     try:
+        # The job may run HOLD_AHEAD steps past the next fault's step, no further, until that
+        # fault is injected: however long a recovery keeps the runner (a heal, a re-join),
+        # the next fault finds steps and saves still to come (a writer's kill needs a save:
+        # chaos seed 6538's job had trained to its last step's hold by then, and saved no more).
+        hold_at(job, plan[0].step + HOLD_AHEAD if plan else opts.steps())
         job.start()
         mark = 0
         try:
-            for fault in plan:
+            for i, fault in enumerate(plan):
                 try:
                     mark, _ = job.out.wait_step(fault.step, mark, timeout=180)
                 except EOFError:
@@ -761,6 +777,7 @@ def run_job(opts: Options, work: Path) -> Run:
                         break  # the job ended (the budget spent)
                     raise
                 at = len(job.out.lines)
+                hold_at(job, plan[i + 1].step + HOLD_AHEAD if i + 1 < len(plan) else opts.steps())
                 injected.append(inject(job, fault))
                 wait_recovered(job, injected[-1])
                 mark = restarted_since(job, at)

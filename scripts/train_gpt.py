@@ -9,7 +9,7 @@ unset or "0") unless TRAIN_FAULT_EVERY_ATTEMPT is set; TRAIN_STUCK_RANK blocks t
 good at the same step. TRAIN_CHAOS_DIR (scripts/chaos.py): a file ``rank<r>`` there holds a
 fault kind rank r injects at its next step, in any attempt, and a file ``unpaced`` ends
 --step-time's pacing (the faults are over: the rest only has to reach --steps); until it
-exists, the ranks hold before the last step. --shim runs the same training through trainer_shim (and stops at
+exists, the ranks hold before the step a file ``hold`` names, else before the last step. --shim runs the same training through trainer_shim (and stops at
 ft.preempted(), saving first); --async-ckpt checkpoints through its AsyncCheckpointer
 (every rank its own state; --persist-every); --cuda puts each rank on its GPU with NCCL.
 
@@ -108,11 +108,24 @@ def chaos_over():
         os.path.join(os.environ["TRAIN_CHAOS_DIR"], "unpaced"))
 
 
-def hold_until_chaos_over(step, heartbeat):
-    """Before the last step, wait for scripts/chaos.py to be done with its faults: a fault it
-    still watches (a heal, a lossy link) must find the job running, however fast it trained."""
+def chaos_hold(last):
+    """The step scripts/chaos.py lets the job reach, not train: its file ``hold`` (the next
+    fault's step and some), else the last step."""
+    try:
+        with open(os.path.join(os.environ["TRAIN_CHAOS_DIR"], "hold")) as f:
+            return min(int(f.read()), last)
+    except (FileNotFoundError, ValueError):  # (a hold being rewritten: read again next time)
+        return last
+
+
+def hold_for_chaos(step, last, heartbeat):
+    """Before a step at scripts/chaos.py's hold, wait for it to move the hold on or be done
+    with its faults: a fault it still watches (a heal, a lossy link) must find the job
+    running, and the next one (a checkpoint writer's kill) steps and saves still to come,
+    however fast the job trained meanwhile."""
     deadline = time.monotonic() + 600
-    while "TRAIN_CHAOS_DIR" in os.environ and not chaos_over() and time.monotonic() < deadline:
+    while "TRAIN_CHAOS_DIR" in os.environ and not chaos_over() and step >= chaos_hold(last) \
+            and time.monotonic() < deadline:
         heartbeat(step - 1)
         time.sleep(0.02)
 
@@ -294,8 +307,7 @@ def train(ctx, args, shim):
     loss_val, t0, stopped_early = None, time.perf_counter(), False
     for step in range(start + 1, args.steps + 1):  # `step` = number of steps done after it
         maybe_inject_fault(rank, step, heartbeat)
-        if step == args.steps:
-            hold_until_chaos_over(step, heartbeat)
+        hold_for_chaos(step, args.steps, heartbeat)
         x, y = (t.to(device) for t in make_batch(args.seed, rank, step, args.batch_size))
         loss = F.cross_entropy(ddp(x).reshape(-1, VOCAB), y.reshape(-1))
         opt.zero_grad(set_to_none=True)

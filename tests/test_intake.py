@@ -56,13 +56,6 @@ def _assign(sock: zmq.Socket, codec: Codec) -> Assign:
     raise AssertionError("no assign")
 
 
-def _refused_port(ctx: zmq.Context) -> int:
-    """A port nothing listens on: a dead agent's standby port (its machine refuses)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def ctx():
     context = zmq.Context()
@@ -103,7 +96,8 @@ def test_an_agent_that_joins_and_dies_on_an_intakes_connection_is_lost_at_once(c
     try:
         coordinator.start()
         subprocess.run([sys.executable, "-c", JOIN_AND_DIE, str(port.port), SECRET.hex(),
-                        str(_refused_port(ctx))], check=True, timeout=30)
+                        str(free_port())],  # its standby port: nothing listens there
+                       check=True, timeout=30)
         end = time.monotonic() + NODE_TIMEOUT / 2  # silent, it would be lost at the timeout
         while not any("node s lost (its agent's connection closed)" in r.getMessage()
                       for r in caplog.records):
@@ -218,7 +212,7 @@ def test_a_fixed_port_is_one_ports_however_its_rivals_bind_it(ctx):
     with intakes fails as on a taken port (its claim: intake._claim), so does a plain bind,
     and a Port with intakes cannot take a port bound the plain way; the first's close
     frees it at once for the next."""
-    number = _refused_port(ctx)
+    number = free_port()
     first = Port(ctx, "127.0.0.1", number, NODE_TIMEOUT, SECRET, 1)
     try:
         with pytest.raises(OSError, match="in use"):
