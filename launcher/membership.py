@@ -27,18 +27,33 @@ class Assignment(NamedTuple):  # (a tuple: a 16,384-node round builds as many)
 def assign_ranks(members: list[Member], previous: dict[str, int] | None = None) -> list[Assignment]:
     """Give each member a group rank and a contiguous block of global ranks.
 
-    Nodes keep their previous group rank where they had one (stable across rounds);
-    newcomers follow by ``--node-rank`` where given, then in node-id order, so every node
-    computes the same answer.
+    Nodes keep their previous group rank (stable across rounds). Newcomers, by
+    ``--node-rank`` where given, then in node-id order (so every node computes the same
+    answer), first fill the seats the departed left, lowest first: a spare takes the lost
+    node's ranks and every survivor keeps its own, which it restores from its own memory.
+    Seats still empty close up (a smaller world; survivors keep their order); the other
+    newcomers follow. Two members claiming one seat: the lower node id keeps it.
     """
     previous = previous or {}
-    newcomer, unhinted = max(previous.values(), default=-1) + 1, 1 << 30
-
-    def place(m: Member) -> tuple[int, int]:
-        return previous.get(m.node_id, newcomer), m.rank_hint if m.rank_hint >= 0 else unhinted
-    # By node id, then (stable) by place: most of a large round share one place (a
-    # takeover's survivors, a fresh job), and strings alone sort 3x faster than tuples.
-    ordered = sorted(sorted(members, key=attrgetter("node_id")), key=place)
+    # By node id first: strings alone sort 3x faster than tuples, and most of a large round
+    # (a takeover's survivors, a fresh job) goes by it alone.
+    by_id = sorted(members, key=attrgetter("node_id"))
+    seated: list[Member | None] = [None] * (max(previous.values(), default=-1) + 1)
+    newcomers = [] if previous else by_id  # (a fresh job: everyone)
+    if previous:
+        for m in by_id:
+            seat = previous.get(m.node_id, -1)
+            if seat >= 0 and seated[seat] is None:
+                seated[seat] = m
+            else:
+                newcomers.append(m)
+    if any(m.rank_hint >= 0 for m in newcomers):
+        unhinted = 1 << 30
+        newcomers.sort(key=lambda m: m.rank_hint if m.rank_hint >= 0 else unhinted)  # (stable)
+    arriving = iter(newcomers)
+    ordered = [m for m in (s if s is not None else next(arriving, None) for s in seated)
+               if m is not None]
+    ordered += arriving
     world_size = sum(m.local_world_size for m in ordered)
     assignments, offset = [], 0
     for group_rank, m in enumerate(ordered):

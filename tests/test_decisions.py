@@ -62,12 +62,43 @@ def test_assign_ranks_newcomers_after_old_members():
     assert [a.group_rank for a in result] == [0, 1, 2, 3]
 
 
-def test_assign_ranks_departed_member_closes_the_gap():
+def test_assign_ranks_departed_members_seat_goes_to_a_newcomer():
+    """A spare replacing a lost node takes its seat: the survivors keep theirs (and restore
+    from their own memory) where closing the gap moved every node above it."""
     previous = {"a": 0, "b": 1, "c": 2}
     result = assign_ranks(members(("c", 2), ("a", 2), ("d", 2)), previous)
     assert [(a.node_id, a.group_rank, a.rank_offset) for a in result] == [
-        ("a", 0, 0), ("c", 1, 2), ("d", 2, 4)]
+        ("a", 0, 0), ("d", 1, 2), ("c", 2, 4)]
     assert all(a.group_world_size == 3 and a.world_size == 6 for a in result)
+
+
+def test_assign_ranks_departed_member_closes_the_gap_when_no_one_fills_it():
+    previous = {"a": 0, "b": 1, "c": 2, "d": 3}
+    result = assign_ranks(members(("d", 1), ("a", 1), ("c", 1), ("e", 1)), previous | {"x": 4})
+    assert [a.node_id for a in result] == ["a", "e", "c", "d"]  # e fills 1; x's 4 was last
+    result = assign_ranks(members(("d", 1), ("a", 1)), previous)
+    assert [(a.node_id, a.group_rank) for a in result] == [("a", 0), ("d", 1)]
+
+
+def _seats_kept_and_holes_filled(group: list[Member], previous: dict[str, int],
+                                 result: list[Assignment]) -> None:
+    """The rule, said another way than assign_ranks does it: a member keeps its seat less
+    the empty seats below it that newcomers could not fill; newcomers take the other places
+    in ``--node-rank``, then node-id order. (Of two claiming one seat, the lower id keeps it.)"""
+    claims: dict[int, str] = {}
+    for m in sorted(group, key=lambda m: m.node_id):
+        if previous.get(m.node_id, -1) >= 0:
+            claims.setdefault(previous[m.node_id], m.node_id)
+    kept = {node: seat for seat, node in claims.items()}
+    newcomers = sorted((m for m in group if m.node_id not in kept),
+                       key=lambda m: (m.rank_hint if m.rank_hint >= 0 else 1 << 30, m.node_id))
+    got = {a.node_id: a.group_rank for a in result}
+    for node, seat in kept.items():
+        holes_below = sum(1 for s in range(seat) if s not in claims)
+        assert got[node] == seat - max(0, holes_below - len(newcomers)), (node, seat, got)
+    rest = sorted(set(range(len(group))) - {got[n] for n in kept})
+    assert [got[m.node_id] for m in newcomers] == rest
+    assert sorted(got.values()) == list(range(len(group)))
 
 
 node_ids = st.lists(st.text(alphabet="abcdefgh", min_size=1, max_size=3), min_size=0, max_size=8,
@@ -93,18 +124,16 @@ def test_assign_ranks_properties(ids, data):
     assert offset == world
     assert sorted(a.node_id for a in result) == sorted(ids)
 
-    # next round: some leave, newcomers join; survivors keep their relative order, first
+    # next round: some leave, newcomers join: survivors keep their seats, newcomers fill
+    # the departed's first
     previous = {a.node_id: a.group_rank for a in result}
     survivors = [m for m in group if data.draw(st.booleans())]
     newcomers = [Member(n, 1, "y") for n in data.draw(node_ids) if n not in sizes]
     second = assign_ranks(random.Random(0).sample(survivors + newcomers,
                                                   len(survivors) + len(newcomers)), previous)
-    order = [a.node_id for a in second]
-    assert order[:len(survivors)] == sorted((m.node_id for m in survivors), key=previous.get)
-    assert order[len(survivors):] == sorted(m.node_id for m in newcomers)
-    # same members again: every group rank is kept
-    if not newcomers and len(survivors) == len(group):
-        assert {a.node_id: a.group_rank for a in second} == previous
+    _seats_kept_and_holes_filled(survivors + newcomers, previous, second)
+    if len(newcomers) >= len(group) - len(survivors):  # as many arrived as left
+        assert all(a.group_rank == previous[a.node_id] for a in second if a.node_id in previous)
 
 
 @settings(max_examples=200, deadline=None)
@@ -112,15 +141,13 @@ def test_assign_ranks_properties(ids, data):
                 max_size=10, unique_by=lambda t: t[0]),
        st.dictionaries(st.text(alphabet="abcdef", min_size=1, max_size=2), st.integers(0, 12),
                        max_size=6))
-def test_assign_ranks_orders_by_previous_rank_then_node_rank_then_node_id(spec, previous):
-    """The order every node computes alike: a previous group rank first (kept), then
-    ``--node-rank``, then the node id (the two-pass sort must say the same)."""
+def test_assign_ranks_keeps_seats_and_fills_holes_by_node_rank_then_node_id(spec, previous):
+    """The order every node computes alike, with seats claimed twice and seats of nodes
+    gone: kept seats, then ``--node-rank``, then the node id for those who fill the rest."""
     group = [Member(n, 1, "x", hint) for n, hint in spec]
-    newcomer = max(previous.values(), default=-1) + 1  # after every previous rank
-    expected = sorted(group, key=lambda m: (previous.get(m.node_id, newcomer),
-                                            m.rank_hint if m.rank_hint >= 0 else 1 << 30,
-                                            m.node_id))
-    assert [a.node_id for a in assign_ranks(group, previous)] == [m.node_id for m in expected]
+    result = assign_ranks(group, previous)
+    _seats_kept_and_holes_filled(group, previous, result)
+    assert assign_ranks(group[::-1], previous) == result
 
 
 # --- recovery ------------------------------------------------------------------------------

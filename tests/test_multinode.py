@@ -365,15 +365,21 @@ def test_a_hot_spare_restores_a_lost_nodes_ranks_from_a_peers_memory(tmp_path, l
              for run in nodes]
     spare = _node(launch, port, "2:3", *args, extra=extra[3], env=held)
     nodes[0].wait_for(r"node \S+ waits as a spare")  # the first node hosts the coordinator
-    lost = nodes.pop()  # another one
+    # Another one, with a survivor seated above it: the spare takes the lost seat and the
+    # survivor keeps its own (closing the gap moved it, and the spare then took its ranks).
+    at = min((1, 2), key=lambda i: ranks[i])
+    lost, lost_rank = nodes.pop(at), ranks.pop(at)
     with _post_mortem([*nodes, lost, spare]):
         _wait_in_memory(logs, 20)
         lost.proc.kill()  # the whole node: agent SIGKILLed, its rank dies with it
         lost.finish()
-        taken = spare.wait_for(rf"start rank {ranks[2]} world 3 pid \d+ resume_from (\d+) "
+        taken = spare.wait_for(rf"start rank {lost_rank} world 3 pid \d+ resume_from (\d+) "
                                r"\((.*)\)", timeout=90)
         assert int(taken.group(1)) >= 10 and taken.group(2).startswith("peer memory (node "), \
             taken.group(0)
+        for run, rank in zip(nodes, ranks, strict=True):
+            run.wait_for(rf"start rank {rank} world 3 pid \d+ resume_from {taken.group(1)} "
+                         r"\(shared memory\)")
     faults_over(tmp_path)
     for run in (*nodes, spare):
         assert run.finish() == 0, run.output
