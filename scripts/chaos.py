@@ -47,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,7 +70,7 @@ ALL_KINDS = (*KINDS, "coordinator-partition")  # drawn only when named (older se
 MULTI_NODE = (*NODE_KINDS, *PARTITIONS)  # drawn only when the job has 2+ nodes
 TAG_VAR = "FTLAUNCH_CHAOS_TAG"
 CKPT_EVERY = 5
-HOLD_AHEAD = 20  # steps past the next fault's the job may train before it is injected (run_job)
+HOLD_AHEAD = 20  # steps past the next fault's the job may train before it is injected (hold_before)
 START = re.compile(r"start rank (\d+) world (\d+) pid (\d+) resume_from (\d+)")
 STEP = re.compile(r"step (\d+) loss (\S+) rank (\d+)")
 PREEMPTED = 128 + signal.SIGTERM
@@ -584,14 +585,13 @@ def inject(job: Job, fault: Fault) -> Injected:
         job.out.wait(rf"injecting fault {kind} rank {target} ", 0, timeout=60)
         return Injected(fault, at, f"rank {target}")
     if kind == "writer":
-        pid = job.rank_pid(target)
         deadline = time.monotonic() + 60
         while not any(e["event"] == "checkpoint_shard" and e["stage"] == "staged"
                       and e["rank"] == target and e["ts"] > at for e in read_events(job.work)):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {target} staged no save within 60s")
             time.sleep(0.01)  # a file other processes append to
-        at = time.time()
+        at, pid = time.time(), job.rank_pid(target)  # the one that staged (it started first)
         os.kill(pid, signal.SIGKILL)
         return Injected(fault, at, f"pid {pid}")
     if kind in NODE_KINDS:
@@ -650,9 +650,14 @@ def wait_recovered(job: Job, injected: Injected, timeout: float = 120) -> None:
         (job.work / "ckpt" / ".filler").unlink()
         return
     if kind == "sigterm":
-        codes = [p.wait(timeout=timeout) for p in job.starts[-1]]
-        del codes
+        for proc in job.starts[-1]:
+            proc.wait(timeout=timeout)
+        mark = len(job.out.lines)
         job.start()
+        # Until its ranks start: the old ones train on after the SIGTERM until they stop, and
+        # their steps are not the new job's (chaos seed 6630: the next fault, a writer's kill,
+        # was injected while the job started again, into a rank of the old job, long gone).
+        job.out.wait(START.pattern, mark, timeout)
         return
     deadline, healed = time.monotonic() + timeout, False
     while not any(e["event"] == "recovered" and e["ts"] > injected.at
@@ -746,6 +751,15 @@ def strand(job: Job, agent: subprocess.Popen) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
+def hold_before(plan: list[Fault], injected: int, steps: int) -> int:
+    """The step the job may reach, not train, while ``injected`` of the plan's faults are:
+    HOLD_AHEAD past the next one's, however long a recovery keeps the runner (a heal, a
+    re-join), so that fault finds steps and saves still to come (a writer's kill needs a
+    save: chaos seed 6538's job had trained to its last step's hold, and saved no more);
+    the last step once every fault is."""
+    return plan[injected].step + HOLD_AHEAD if injected < len(plan) else steps
+
+
 def hold_at(job: Job, step: int) -> None:
     """The step the job may reach and not train until moved on (train_gpt.py): replaced
     whole, never read half-written."""
@@ -759,11 +773,7 @@ def run_job(opts: Options, work: Path) -> Run:
     plan = opts.schedule()
     injected: list[Injected] = []
     try:
-        # The job may run HOLD_AHEAD steps past the next fault's step, no further, until that
-        # fault is injected: however long a recovery keeps the runner (a heal, a re-join),
-        # the next fault finds steps and saves still to come (a writer's kill needs a save:
-        # chaos seed 6538's job had trained to its last step's hold by then, and saved no more).
-        hold_at(job, plan[0].step + HOLD_AHEAD if plan else opts.steps())
+        hold_at(job, hold_before(plan, 0, opts.steps()))
         job.start()
         mark = 0
         try:
@@ -777,7 +787,7 @@ def run_job(opts: Options, work: Path) -> Run:
                         break  # the job ended (the budget spent)
                     raise
                 at = len(job.out.lines)
-                hold_at(job, plan[i + 1].step + HOLD_AHEAD if i + 1 < len(plan) else opts.steps())
+                hold_at(job, hold_before(plan, i + 1, opts.steps()))
                 injected.append(inject(job, fault))
                 wait_recovered(job, injected[-1])
                 mark = restarted_since(job, at)
@@ -996,7 +1006,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run, verdict = one_run(opts)
         except Exception as e:  # the runner's own failure: this run counts as broken
-            print(f"chaos seed {seed}: the run could not be completed: {e!r}", flush=True)
+            where = traceback.extract_tb(e.__traceback__)[-1]  # (the innermost frame)
+            print(f"chaos seed {seed}: the run could not be completed: {e!r} (at "
+                  f"{Path(where.filename).name}:{where.lineno} in {where.name})", flush=True)
             failed += 1
             continue
         report(opts, run, verdict)

@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import types
 
 import chaos
@@ -299,6 +300,79 @@ def test_the_next_fault_waits_for_a_step_since_the_recoverys_ranks_started():
     assert chaos.restarted_since(job, 2) == 2, "no rank started: from the injection"
     _, m = out.wait_step(60, chaos.restarted_since(job, 2), timeout=0)
     assert m[1] == "99"
+
+
+def test_the_job_holds_ahead_of_the_next_fault_until_the_runner_moves_the_hold_on(
+        tmp_path, monkeypatch):
+    """Chaos seed 6538: while the runner watched a heal, the job trained to its last step's
+    hold, and the next fault (a writer's kill) waited for a save a held job never makes.
+    The job may run HOLD_AHEAD steps past the next fault's step until it is injected: each
+    hold is past its fault, the last lets the job finish, and train_gpt.py's ranks read it
+    (a rank at the hold waits, beating, until the runner moves it on)."""
+    import train_gpt
+
+    opts = chaos.Options(seed=6538, faults=5, nodes=3, nproc=2)
+    plan = opts.schedule()
+    holds = [chaos.hold_before(plan, i, opts.steps()) for i in range(len(plan) + 1)]
+    assert all(hold == fault.step + chaos.HOLD_AHEAD for hold, fault in zip(holds, plan,
+                                                                            strict=False))
+    assert holds[-1] == opts.steps() and holds == sorted(holds)
+
+    job = types.SimpleNamespace(work=tmp_path)
+    (tmp_path / "chaos").mkdir()
+    monkeypatch.setenv("TRAIN_CHAOS_DIR", str(tmp_path / "chaos"))
+    chaos.hold_at(job, holds[0])
+    assert train_gpt.chaos_hold(opts.steps()) == holds[0]
+    beats: list[int] = []
+    beating, done = threading.Event(), threading.Event()
+
+    def beat(step: int) -> None:
+        beats.append(step)
+        beating.set()
+
+    def rank(step: int) -> None:
+        train_gpt.hold_for_chaos(step, opts.steps(), beat)
+        done.set()
+
+    rank(holds[0] - 1)  # below the hold: trains on at once
+    assert done.is_set() and not beats
+    done.clear()
+    held = threading.Thread(target=rank, args=(holds[0],), daemon=True)
+    held.start()
+    assert beating.wait(10) and not done.is_set(), "held at the hold, beating"
+    assert set(beats) == {holds[0] - 1}
+    chaos.hold_at(job, holds[1])  # the fault injected: the next one's hold
+    assert done.wait(10), "moved on with the hold"
+    held.join(10)
+
+
+def test_after_a_preemption_the_next_fault_waits_for_the_new_jobs_ranks():
+    """Chaos seed 6630: the old job trained on after its SIGTERM (to step 60); the runner,
+    back from starting the job again before any of its ranks had, counted steps from the
+    injection, found the old job's step 60, and aimed the next fault (a writer's kill) at a
+    rank of the old job (its pid gone: ProcessLookupError; or reused: someone else's)."""
+    out = chaos.Lines(verbose=False)
+    out.lines = [(T0, 0, "[rank0]: step 48 loss 4.1 rank 0"),
+                 (T0 + 1, 0, "[rank0]: step 60 loss 4.2 rank 0")]  # after the SIGTERM
+    at = 1  # the injection's line
+
+    def start() -> None:  # the new job's ranks start a while after its agents
+        out.followed.add(1)
+
+        def ranks() -> None:
+            with out.cond:
+                out.lines += [(T0 + 9, 1, "[rank0]: start rank 0 world 2 pid 8 resume_from 60 "
+                                          "(storage) agents_committed 60"),
+                              (T0 + 9, 1, "[rank0]: step 61 loss 4.3 rank 0")]
+                out.cond.notify_all()
+        threading.Timer(0.2, ranks).start()
+
+    job = types.SimpleNamespace(out=out, starts=[[]], start=start)
+    fault = chaos.Fault("sigterm", 48, 0)
+    chaos.wait_recovered(job, chaos.Injected(fault, T0 + 0.5), timeout=30)
+    _, m = out.wait_step(60, chaos.restarted_since(job, at), timeout=0)
+    assert m[1] == "61", "a step of the new job's ranks"
+    assert job.out.lines[chaos.restarted_since(job, at)][1] == 1
 
 
 def test_packet_loss_needs_no_recovery():
