@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import random
@@ -735,6 +736,27 @@ def rejoin_after_heal(job: Job, agent: subprocess.Popen, cut: Cut | None) -> Non
         cut.kept, cut.until = True, time.time()
 
 
+def dump_stacks(job: Job) -> Path:
+    """Every live process of the job (agents, templates, ranks, services) dumped by py-spy
+    before the runner kills them, one file each: where a run it could not complete stood
+    (chaos seed 6802: a job that never trained again, killed with no trace)."""
+    from launcher.stacks import capture
+
+    where = job.work / "logs" / "stacks"
+    where.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for agent in job.alive():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs += [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(True)]
+
+    def dump(proc: psutil.Process) -> None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            capture(proc.pid, where / f"{proc.pid}-{proc.name()}.txt", "py-spy", armed=False)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(dump, procs))
+    return where
+
+
 def strand(job: Job, agent: subprocess.Popen) -> None:
     from launcher.stacks import capture
 
@@ -795,6 +817,9 @@ def run_job(opts: Options, work: Path) -> Run:
             (work / "chaos" / "unpaced").touch()
             for proc in job.alive():
                 proc.wait(timeout=300)
+        except Exception as e:  # the run could not be completed: where was the job?
+            e.add_note(f"stacks of the job's processes: {dump_stacks(job)}")
+            raise
         finally:
             for proc in job.alive():
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -1008,7 +1033,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # the runner's own failure: this run counts as broken
             where = traceback.extract_tb(e.__traceback__)[-1]  # (the innermost frame)
             print(f"chaos seed {seed}: the run could not be completed: {e!r} (at "
-                  f"{Path(where.filename).name}:{where.lineno} in {where.name})", flush=True)
+                  f"{Path(where.filename).name}:{where.lineno} in {where.name})",
+                  *getattr(e, "__notes__", ()), sep="; ", flush=True)
             failed += 1
             continue
         report(opts, run, verdict)

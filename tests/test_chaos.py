@@ -7,6 +7,8 @@ import dataclasses
 import json
 import os
 import re
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -373,6 +375,31 @@ def test_after_a_preemption_the_next_fault_waits_for_the_new_jobs_ranks():
     _, m = out.wait_step(60, chaos.restarted_since(job, at), timeout=0)
     assert m[1] == "61", "a step of the new job's ranks"
     assert job.out.lines[chaos.restarted_since(job, at)][1] == 1
+
+
+def test_a_run_the_runner_cannot_complete_leaves_the_stacks_of_every_process(tmp_path):
+    """Chaos seed 6802: a job that never trained again after a restart was killed at the
+    runner's timeout with no trace of where it stood. Now every live process of the job
+    (an agent and what it started) is dumped first, one file each."""
+    waiter = ("import sys, time\n"
+              "def waiting_in_the_grandchild():\n"
+              "    print('ready', flush=True)\n"
+              "    time.sleep(120)\n"
+              "waiting_in_the_grandchild()\n")
+    agent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                              f"subprocess.Popen([sys.executable, '-c', {waiter!r}]); "
+                              "time.sleep(120)"],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        ready = select.select([agent.stdout], [], [], 60)[0]
+        assert ready and agent.stdout.readline() == "ready\n"
+        where = chaos.dump_stacks(types.SimpleNamespace(work=tmp_path, alive=lambda: [agent]))
+    finally:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+    dumps = {p.name: p.read_text() for p in where.iterdir()}
+    assert len(dumps) == 2, dumps.keys()
+    assert any("waiting_in_the_grandchild" in text for text in dumps.values()), dumps
 
 
 def test_packet_loss_needs_no_recovery():
