@@ -316,9 +316,8 @@ def test_the_job_holds_ahead_of_the_next_fault_until_the_runner_moves_the_hold_o
     opts = chaos.Options(seed=6538, faults=5, nodes=3, nproc=2)
     plan = opts.schedule()
     holds = [chaos.hold_before(plan, i, opts.steps()) for i in range(len(plan) + 1)]
-    assert all(hold == fault.step + chaos.HOLD_AHEAD for hold, fault in zip(holds, plan,
-                                                                            strict=False))
-    assert holds[-1] == opts.steps() and holds == sorted(holds)
+    assert holds == [*(fault.step + chaos.HOLD_AHEAD for fault in plan), opts.steps()]
+    assert holds == sorted(holds)
 
     job = types.SimpleNamespace(work=tmp_path)
     (tmp_path / "chaos").mkdir()
@@ -381,7 +380,7 @@ def test_a_run_the_runner_cannot_complete_leaves_the_stacks_of_every_process(tmp
     """Chaos seed 6802: a job that never trained again after a restart was killed at the
     runner's timeout with no trace of where it stood. Now every live process of the job
     (an agent and what it started) is dumped first, one file each."""
-    waiter = ("import sys, time\n"
+    waiter = ("import time\n"
               "def waiting_in_the_grandchild():\n"
               "    print('ready', flush=True)\n"
               "    time.sleep(120)\n"
