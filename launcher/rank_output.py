@@ -42,15 +42,21 @@ class Pump:
             return True
         if not data:
             self._emit(self._partial, final=True)
-            os.close(self.fd)
-            if self._file:
-                self._file.close()
+            self.close()
             return False
         if self._file:
             self._file.write(data)
             self._file.flush()
         self._emit(self._partial + data)
         return True
+
+    def close(self) -> None:
+        """Close the pipe once: the moment it is closed, its number may be another rank's."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self._file:
+            self._file.close()
 
     def _emit(self, data: bytes, final: bool = False) -> None:
         lines = data.split(b"\n")

@@ -8,10 +8,10 @@ shard from its source in chunks and keep it in a ``replicas/`` slot, sealed only
 A save that is overwritten mid-transfer fails the transfer (the source re-checks the
 save's id after every chunk it reads), so a replica is never torn.
 
-Wire: ZeroMQ frames ``[header, data, mac]``: ``header`` a msgpack map, ``mac`` an
-HMAC-SHA256 of header and data under a key derived from the job secret. Nothing is
-unpickled; anything unsigned or malformed is dropped. Two threads do the work, off the
-agent's loop: the server answers requests, the puller moves bytes (bounded by
+Wire: one ZeroMQ frame a message, ``len(header) | header | data | mac``: ``header`` a
+msgpack map, ``mac`` an HMAC-SHA256 of what precedes it under a key derived from the job
+secret. Nothing is unpickled; anything unsigned or malformed is dropped. Two threads do the
+work, off the agent's loop: the server answers requests, the puller moves bytes (bounded by
 ``--replica-bandwidth`` for replicas; restores go at full speed). The agent hears of
 finished transfers through ``news()`` (its poll loop watches ``fd``).
 """
@@ -25,8 +25,10 @@ import itertools
 import logging
 import os
 import queue
+import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,8 @@ CHUNK = 4 << 20
 WINDOW = 4  # chunks in flight per transfer
 REPLY_TIMEOUT = 10.0  # seconds without a reply before a transfer is given up
 MAX_HEADER = 64 << 20  # a meta lists every tensor of a shard
+MAC_BYTES = 32
+_LENGTH = struct.Struct("<I")
 
 
 class TransferError(RuntimeError):
@@ -87,30 +91,48 @@ News = Transferred | NotTransferred | FetchDone
 
 
 class Wire:
-    """Signs and checks ``[header, data, mac]`` frames with a key derived from the secret."""
+    """Signs and checks messages of one frame, ``len(header) | header | data | mac``, with a
+    key derived from the secret.
+
+    One frame, never several: libzmq 4.3 aborts the whole process (``session_base.cpp``,
+    errno_assert in ``clean_pipes``; zeromq/libzmq#3442) when a connection drops while its
+    socket, closing, is part-way through sending a message of several frames. A service
+    closing while it streamed a chunk to a peer that gave up did exactly that."""
 
     def __init__(self, secret: bytes):
         self._key = hashlib.sha256(b"ftlaunch replicas\0" + secret).digest()
 
-    def pack(self, header: dict[str, Any], data: bytes | memoryview = b"") -> list[Any]:
+    def pack(self, header: dict[str, Any], data: bytes | memoryview = b"",
+             fill: Callable[[memoryview], None] | None = None, nbytes: int = 0) -> bytearray:
+        """The signed message; ``fill``, given instead of ``data``, writes its ``nbytes``
+        in place (a shard read straight into the message: no copy of the chunk)."""
         head = msgpack.packb(header)
-        mac = hmac.new(self._key, head, hashlib.sha256)
-        mac.update(data)
-        return [head, data, mac.digest()]
+        size = nbytes if fill is not None else len(data)
+        start = _LENGTH.size + len(head)
+        message = bytearray(start + size + MAC_BYTES)
+        _LENGTH.pack_into(message, 0, len(head))
+        message[_LENGTH.size:start] = head
+        view = memoryview(message)
+        if fill is not None:
+            fill(view[start:start + size])
+        else:
+            view[start:start + size] = data
+        view[start + size:] = hmac.digest(self._key, view[:start + size], "sha256")
+        return message
 
-    def unpack(self, frames: list[Any]) -> tuple[dict[str, Any], memoryview]:
-        if len(frames) != 3:
-            raise TransferError(f"expected 3 frames, got {len(frames)}")
-        head, data, mac = (f.buffer if isinstance(f, zmq.Frame) else memoryview(f)
-                           for f in frames)
-        if len(head) > MAX_HEADER:
-            raise TransferError("header too large")
-        expected = hmac.new(self._key, head, hashlib.sha256)
-        expected.update(data)
-        if not hmac.compare_digest(expected.digest(), bytes(mac)):
+    def unpack(self, message: zmq.Frame | bytes | bytearray) -> tuple[dict[str, Any], memoryview]:
+        view = message.buffer if isinstance(message, zmq.Frame) else memoryview(message)
+        if len(view) < _LENGTH.size + MAC_BYTES:
+            raise TransferError("message too short")
+        (head_len,) = _LENGTH.unpack_from(view)
+        start, end = _LENGTH.size + head_len, len(view) - MAC_BYTES
+        if head_len > MAX_HEADER or start > end:
+            raise TransferError("bad header length")
+        expected = hmac.digest(self._key, view[:end], "sha256")
+        if not hmac.compare_digest(expected, bytes(view[end:])):
             raise TransferError("bad signature (wrong job secret, forged or corrupted)")
         try:
-            return unpack_map(bytes(head)), data
+            return unpack_map(bytes(view[_LENGTH.size:start])), view[start:end]
         except ProtocolError as e:
             raise TransferError(str(e)) from None
 
@@ -138,24 +160,24 @@ class MemoryShards:
     def find(self, held: Held) -> tuple[Path, dict[str, Any]] | None:
         return next(((p, m) for p, m in self.metas() if _held(m) == held), None)
 
-    def read(self, held: Held, save_id: str, offset: int, nbytes: int) -> bytes:
-        """Bytes of a shard, consistent with save ``save_id`` (checked after the read:
-        a slot's meta is removed before its data is overwritten)."""
+    def read_into(self, held: Held, save_id: str, offset: int, into: memoryview) -> None:
+        """Fill ``into`` with a shard's bytes from ``offset``, consistent with save
+        ``save_id`` (checked after the read: a slot's meta is removed before its data is
+        overwritten)."""
         found = self.find(held)
         if found is None or found[1].get("save_id") != save_id:
             raise TransferError(f"{_name(held)} is no longer held")
         meta_path, meta = found
-        if not 0 <= offset <= offset + nbytes <= meta["nbytes"]:
+        if not 0 <= offset <= offset + len(into) <= meta["nbytes"]:
             raise TransferError("range outside the shard")
         fd = os.open(meta_path.with_suffix(".data"), os.O_RDONLY)
         try:
-            data = os.pread(fd, nbytes, offset)
+            got = os.preadv(fd, [into], offset)
         finally:
             os.close(fd)
         again = read_meta(meta_path)
-        if again is None or again.get("save_id") != save_id or len(data) != nbytes:
+        if again is None or again.get("save_id") != save_id or got != len(into):
             raise TransferError(f"{_name(held)} was overwritten during the transfer")
-        return data
 
     def forget_other_worlds(self, world_size: int) -> None:
         """Delete the copies kept in ``replicas/`` that another world size saved."""
@@ -241,7 +263,7 @@ class ReplicaService:
                       "step": held.step, "node_id": self.node_id, "addr": self._addr,
                       "port": self.port}
             try:
-                sock.send_multipart(self._wire.pack(header), zmq.NOBLOCK)
+                sock.send(self._wire.pack(header), zmq.NOBLOCK)
             except zmq.Again:
                 log.warning("replica holder %s unreachable: %s not offered", peer.node_id,
                             _name(held))
@@ -306,17 +328,19 @@ class ReplicaService:
                     return
                 frames = self._router.recv_multipart(copy=False)
                 try:
-                    header, _ = self._wire.unpack(frames[1:])
+                    if len(frames) != 2:
+                        raise TransferError(f"expected one frame, got {len(frames) - 1}")
+                    header, _ = self._wire.unpack(frames[1])
                     reply = self._answer(header)
                 except TransferError as e:
                     log.warning("replica request dropped: %s", e)
                     continue
                 if reply is not None:
-                    self._router.send_multipart([frames[0], *reply], copy=False)
+                    self._router.send_multipart([frames[0], reply], copy=False)
         finally:
             stop.close()
 
-    def _answer(self, h: dict[str, Any]) -> list[Any] | None:
+    def _answer(self, h: dict[str, Any]) -> bytearray | None:
         kind = h.get("type")
         held = Held(_int(h, "world"), _int(h, "rank"), _int(h, "step"))
         if kind == "offer":
@@ -336,9 +360,12 @@ class ReplicaService:
                     raise TransferError(f"{_name(held)} is not held here")
                 return self._wire.pack({"nonce": nonce, "error": "", "meta": found[1]})
             if kind == "get":
-                data = self.shards.read(held, _str(h, "save_id"), _int(h, "offset"),
-                                        _int(h, "nbytes"))
-                return self._wire.pack({"nonce": nonce, "error": ""}, data)
+                save_id, offset, nbytes = _str(h, "save_id"), _int(h, "offset"), _int(h, "nbytes")
+                if not 0 <= nbytes <= CHUNK:
+                    raise TransferError(f"a chunk of {nbytes} bytes asked for")
+                return self._wire.pack(
+                    {"nonce": nonce, "error": ""}, nbytes=nbytes,
+                    fill=lambda into: self.shards.read_into(held, save_id, offset, into))
         except (TransferError, OSError) as e:
             return self._wire.pack({"nonce": nonce, "error": str(e)})
         raise TransferError(f"unknown request {kind!r}")
@@ -399,7 +426,7 @@ class ReplicaService:
         held = job.held
         base = {"world": held.world_size, "rank": held.rank, "step": held.step}
         nonce = os.urandom(8).hex()
-        sock.send_multipart(self._wire.pack({**base, "type": "meta", "nonce": nonce}))
+        sock.send(self._wire.pack({**base, "type": "meta", "nonce": nonce}))
         meta = _checked_meta(self._reply(sock, {nonce}, job)[0].get("meta"), held)
         slot = self.shards.replica_slot(held, meta["save_id"])
         if slot is None:
@@ -422,7 +449,7 @@ class ReplicaService:
                     send_at = max(send_at, time.monotonic()) + size / (self._bandwidth or 1e18)
                     nonce = os.urandom(8).hex()
                     pending[nonce] = offset
-                    sock.send_multipart(self._wire.pack(
+                    sock.send(self._wire.pack(
                         {**base, "type": "get", "nonce": nonce, "save_id": meta["save_id"],
                          "offset": offset, "nbytes": size}))
                 header, data = self._reply(sock, set(pending), job)
@@ -451,7 +478,10 @@ class ReplicaService:
             if not sock.poll(int(min(left, 0.1) * 1000) + 1):
                 continue
             try:
-                header, data = self._wire.unpack(sock.recv_multipart(copy=False))
+                frames = sock.recv_multipart(copy=False)
+                if len(frames) != 1:
+                    raise TransferError(f"expected one frame, got {len(frames)}")
+                header, data = self._wire.unpack(frames[0])
             except TransferError as e:
                 raise TransferError(f"reply rejected: {e}") from None
             if header.get("nonce") not in nonces:

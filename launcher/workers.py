@@ -215,15 +215,17 @@ class WorkerGroup:
     def release_reaped(self) -> None:
         """Forget reaped ranks: drain and close their output pipes and their pidfds."""
         ranks = [r for r in self.ranks.values() if r.returncode is not None]
-        pumps = {p.fd: p for r in ranks for p in r.pumps if p.fd in self._pumps}
+        # By identity, not number: a pipe closed at its end frees its number for a rank
+        # started since (a replaced rank's), whose pipe must not be read or closed here.
+        pumps = {p.fd: p for r in ranks for p in r.pumps if self._pumps.get(p.fd) is p}
         deadline = time.monotonic() + 2.0  # bounded: an escaped grandchild may hold a pipe
         while pumps and time.monotonic() < deadline:
             readable, _, _ = select.select(list(pumps), [], [], deadline - time.monotonic())
             for fd in readable:
                 if not pumps[fd].pump():
                     del pumps[fd], self._pumps[fd]
-        for fd in pumps:
-            os.close(fd)
+        for fd, pump in pumps.items():
+            pump.close()
             del self._pumps[fd]
         for rank in ranks:
             self.ranks.pop(rank.pidfd, None)

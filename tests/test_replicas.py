@@ -269,14 +269,54 @@ def test_a_peer_with_another_secret_gets_nothing(nodes):
 
 def test_a_forged_or_corrupted_chunk_is_rejected():
     wire = Wire(SECRET)
-    frames = wire.pack({"nonce": "n", "error": ""}, b"\x00" * 1000)
-    header, data = wire.unpack(frames)
-    assert bytes(data) == b"\x00" * 1000
-    corrupted = [frames[0], b"\x00" * 999 + b"\x01", frames[2]]
+    message = wire.pack({"nonce": "n", "error": ""}, b"\x00" * 1000)
+    header, data = wire.unpack(message)
+    assert header == {"nonce": "n", "error": ""} and bytes(data) == b"\x00" * 1000
+    corrupted = bytearray(message)
+    corrupted[-40] ^= 1  # in the data
     with pytest.raises(Exception, match="bad signature"):
         wire.unpack(corrupted)
     with pytest.raises(Exception, match="bad signature"):
-        Wire(b"y" * 32).unpack(frames)
+        Wire(b"y" * 32).unpack(message)
+    with pytest.raises(Exception, match="bad header length"):
+        wire.unpack(b"\xff\xff\xff\x00" + bytes(message[4:]))
+    with pytest.raises(Exception, match="too short"):
+        wire.unpack(message[:10])
+
+
+def test_every_message_is_one_frame(nodes):
+    """libzmq 4.3 aborts the process when a connection drops while its socket, closing, is
+    part-way through sending a message of several frames (zeromq/libzmq#3442): a service
+    closed while it streamed a chunk to a peer that had given up killed the agent (and the
+    test process: ``Resource temporarily unavailable (src/session_base.cpp:233)``). A
+    message of one frame is never part-way through in that sense."""
+    a, a_dir = nodes("a")
+    payload = os.urandom(3 << 20)
+    meta = stage(a_dir, 2, 9, payload)
+    context = zmq.Context()
+    peer = context.socket(zmq.ROUTER)
+    peer.linger = 0
+    port = peer.bind_to_random_port("tcp://127.0.0.1")
+    asker = context.socket(zmq.DEALER)
+    asker.linger = 0
+    asker.connect(f"tcp://127.0.0.1:{a.port}")
+    try:
+        a.offer(Held(6, 2, 9), (Peer("peer", "127.0.0.1", port),))
+        assert peer.poll(10_000), "no offer"
+        offer = peer.recv_multipart()
+        assert len(offer) == 2, "an identity and one frame"
+        assert a._wire.unpack(offer[1])[0]["type"] == "offer"
+        asker.send(a._wire.pack({"type": "get", "world": 6, "rank": 2, "step": 9, "nonce": "c",
+                                 "save_id": meta["save_id"], "offset": 1 << 20,
+                                 "nbytes": 1 << 20}))
+        assert asker.poll(10_000), "no reply"
+        reply = asker.recv_multipart()
+        assert len(reply) == 1
+        header, data = a._wire.unpack(reply[0])
+        assert header == {"nonce": "c", "error": ""}
+        assert bytes(data) == payload[1 << 20:2 << 20]
+    finally:
+        context.destroy(linger=0)
 
 
 def test_a_save_overwritten_mid_transfer_is_never_sealed_as_a_replica(nodes):
@@ -372,7 +412,7 @@ def test_a_restore_does_not_wait_behind_a_replica_copy_from_a_node_just_lost(tmp
                                            tmp_path / name, reply_timeout=60.0))
         a, b = services
         offer.connect(f"tcp://127.0.0.1:{b.port}")
-        offer.send_multipart(b._wire.pack({"type": "offer", "world": 6, "rank": 1, "step": 65,
+        offer.send(b._wire.pack({"type": "offer", "world": 6, "rank": 1, "step": 65,
                                            "node_id": "lost", "addr": "127.0.0.1",
                                            "port": silent_port}))
         assert silent.poll(10_000), "b never asked the lost node for its save"
