@@ -481,10 +481,7 @@ class Coordinator:
         finally:  # a monitor left open would block the context's term()
             self._socket.disable_monitor()
             monitor.close(linger=0)
-            for node in list(self._probes):
-                self._drop_probe(node)
-            for knock in self._knocks.values():
-                knock.close()
+            self.close_probes()
 
     def _serve_with(self, poller: zmq.Poller, monitor: zmq.Socket) -> None:
         next_tick = 0.0
@@ -1389,6 +1386,13 @@ class Coordinator:
             if (answer := probe.answer(now)) is not None:
                 self._drop_probe(node)
                 self._connection_closed(node, answer, now)
+
+    def close_probes(self) -> None:
+        """Close every probe and knock under way (their sockets are the coordinator's own)."""
+        for node in list(self._probes):
+            self._drop_probe(node)
+        for knock in self._knocks.values():
+            knock.close()
 
     def _drop_probe(self, node: str) -> None:
         probe = self._probes.pop(node, None)

@@ -62,6 +62,9 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.held: dict[str, set[Held]] = {}
         self.checked = 0  # messages whose fetch lists were checked
 
+    def teardown(self) -> None:
+        self.coordinator.close_probes()  # never served: its loop's own close never ran
+
     def _deliver(self, node: str, kind: str, epoch: int | None = None, **fields) -> None:
         msg = Envelope(self.state.epoch if epoch is None else epoch, CONTROL[kind](**fields))
         self.coordinator._handle(node.encode(), msg, self.now)
