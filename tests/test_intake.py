@@ -81,6 +81,8 @@ def test_a_round_formed_through_two_intakes_seats_every_agent_on_one_port(ctx):
         assert intakes == {1, 2}, f"connections served by intakes {intakes}"
     finally:
         coordinator.close()
+        for sock, _ in agents.values():
+            sock.close()
 
 
 
