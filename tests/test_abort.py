@@ -205,6 +205,46 @@ def test_a_parked_rank_lets_go_of_a_group_whose_pending_work_will_never_finish(t
                      "rank 1 all-reduced 2 in the next group", "released"], done.stdout
 
 
+INIT_CUT_SHORT = """\
+import datetime, os, sys
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+import trainer_shim
+
+def worker(rank, port):
+    if rank == 1:  # its last init_process_group named the group, then the abort landed
+        dist.distributed_c10d._process_group_name([], use_hashed_name=False)
+        trainer_shim._release_process_group()
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    print(f"rank {rank} in group {dist.distributed_c10d._get_default_group().group_name!r} "
+          f"all-reduced {x.item():g}", flush=True)
+    os._exit(0)
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(int(sys.argv[1]),), nprocs=2)
+"""
+
+
+def test_a_rank_whose_init_was_cut_short_meets_fresh_peers_in_the_next_group(tmp_path):
+    """Chaos seed 6906: a restart ordered while a resumed rank was in init_process_group
+    landed after torch had named (and counted) the new group but before it existed; the
+    rank's next group was then "1", its store keys under that name, while the fresh ranks'
+    were under "0": all six waited for each other's keys for ever. Released, the count
+    starts again: the next group meets its fresh peers."""
+    script = tmp_path / "cut_short.py"
+    script.write_text(INIT_CUT_SHORT)
+    done = subprocess.run([sys.executable, str(script), str(free_port())],
+                          cwd=tmp_path, timeout=120, capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(done.stdout.splitlines()) == ["rank 0 in group '0' all-reduced 2",
+                                                "rank 1 in group '0' all-reduced 2"], done.stdout
+
+
 RESTORED_PACE = """\
 import os, sys
 import zmq

@@ -247,9 +247,16 @@ def _release_process_group() -> None:
     and the groups' last references are dropped in a daemon thread: a work that can never
     finish keeps that thread, not the rank (it ends when its peers' connections close)."""
     dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    if dist is None or not dist.is_available():
         return
     c10d = dist.distributed_c10d
+    if not dist.is_initialized():
+        # An init_process_group cut short by the abort had already named its group ("0")
+        # and counted it: the next would be "1", its keys in the store under that name,
+        # while every fresh peer's are under "0", and all would wait for each other's
+        # forever (chaos seed 6906). No group exists: the count starts again.
+        c10d._world.group_count = 0
+        return
     abort = getattr(c10d, "_abort_process_group", None)  # torch >= 2.5
     groups = list(c10d._world.pg_names)  # held until the thread below lets go of them
     with contextlib.suppress(Exception):
