@@ -1,6 +1,9 @@
 """Control-plane messages: versioned, schema-checked msgpack maps signed with the job's secret.
 
-A message on the wire is two ZeroMQ frames: ``msgpack(body)`` and ``HMAC-SHA256(secret, body)``.
+A message on the wire is one ZeroMQ frame: ``msgpack(body)`` followed by
+``HMAC-SHA256(secret, body)`` (one frame, never several: libzmq 4.3 aborts a process whose
+closing socket is part-way through a message of several frames when the connection drops,
+zeromq/libzmq#3442).
 Nothing is ever unpickled; anything forged, replayed, malformed, oversized or of another
 version raises ``ProtocolError``, which receivers log and drop.
 """
@@ -23,11 +26,12 @@ import msgpack
 from ftlaunch_contract import messages
 from ftlaunch_contract.messages import Body
 
-VERSION = 2
+VERSION = 3
 TICK_INTERVAL = 0.5
 """Seconds between a managed rank's ticks to its agent (from the shim's own thread, so the
 agent tells a frozen rank from one blocked in a collective)."""
 MAX_BYTES = 1 << 20  # assign carries the member list (~40 B a node)
+MAC_BYTES = 32  # HMAC-SHA256
 
 _INT = int
 _STR = str
@@ -175,7 +179,7 @@ class Codec:
         self._seq += 1
         body = msgpack.packb({"v": VERSION, "type": msg.TYPE, "epoch": epoch, "sid": self._sid,
                               "seq": self._seq, "ts": time.time(), **payload})
-        return [body, hmac.digest(self._secret, body, "sha256")]
+        return [body + hmac.digest(self._secret, body, "sha256")]
 
     def reserve(self, template: Body, own: tuple[str, ...], epoch: int,
                 count: int) -> tuple[bytes, int]:
@@ -202,7 +206,7 @@ class Codec:
         _check_values(kind, mine, _tests_of(kind, tuple(own)))
         mine["seq"] = seq
         body = head + _map_items(mine)
-        return [body, hmac.digest(self._secret, body, "sha256")]
+        return [body + hmac.digest(self._secret, body, "sha256")]
 
     def decode(self, frames: list[bytes]) -> Envelope:
         return self.accept(self.verify(frames))
@@ -210,9 +214,10 @@ class Codec:
     def verify(self, frames: list[bytes]) -> Verified:
         """A message's signature, size, version, envelope and fields checked: the half of
         decode that needs no memory of what came before (an intake process's share)."""
-        if len(frames) != 2:
-            raise ProtocolError(f"expected 2 frames, got {len(frames)}")
-        body, mac = frames
+        if len(frames) != 1:
+            raise ProtocolError(f"expected 1 frame, got {len(frames)} (a peer of another "
+                                "ftlaunch version? every node must run the same one)")
+        body, mac = frames[0][:-MAC_BYTES], frames[0][-MAC_BYTES:]
         if len(body) > MAX_BYTES:
             raise ProtocolError(f"message of {len(body)} bytes exceeds {MAX_BYTES}")
         expected = hmac.digest(self._secret, body, "sha256")

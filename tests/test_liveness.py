@@ -423,7 +423,9 @@ def test_joins_queued_on_a_successors_standby_from_connections_since_closed_take
     closed.close(linger=0)
 
     def join(node: str, seated_epoch: int, standby_port: int = 0):
-        return codec.encode(CONTROL["join"](
+        """Its own codec, as each agent has: the order in which the ROUTER hands over
+        messages of different connections is ZeroMQ's (one sender's would be replays)."""
+        return Codec(SECRET).encode(CONTROL["join"](
             node_id=node, local_world_size=1, addr="127.0.0.1", standby_port=standby_port,
             rank_hint=-1, replica_port=0, held=(), restart_count=1, seated_earlier=(),
             settled_below=-1, group_rank=-1, seated_epoch=seated_epoch, electorate_epoch=5), 5)

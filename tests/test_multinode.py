@@ -252,9 +252,9 @@ def test_forged_replayed_and_garbage_messages_harm_nothing(tmp_path, launch):
                                      cause="forged stale failure", step=-1), 0)
     for frames in (
         wrong_key.encode(Leave(node_id="x", exit_code=9, reason="forged"), 1),
-        [b"\x00garbage", b"\x01" * 32],
-        [b"one frame only"],
-        [b"x" * (3 << 20), b"\x00" * 32],  # over ZeroMQ's size cap: the connection is cut
+        [b"\x00garbage" + b"\x01" * 32],  # signed with nothing
+        [b"two", b"frames"],
+        [b"x" * (3 << 20) + b"\x00" * 32],  # over ZeroMQ's size cap: the connection is cut
     ):
         rogue.send_multipart(frames)
     rogue.close()
