@@ -130,7 +130,7 @@ def floor_host(n, conn, cpus):
     conn.recv()  # the agents are ready
     conn.send((port, None))
     conn.recv()  # their joins are queued
-    assign = Codec(SECRET).encode(Assign(
+    (frame,) = Codec(SECRET).encode(Assign(
         group_rank=1, group_world_size=n - 1, rank_offset=8, world_size=8 * (n - 1),
         restart_count=1, max_restarts=100, members=(), spares=(), earlier=(),
         coordinator_node=node(1), replicate_to=(), fetch=()), 6)
@@ -151,8 +151,7 @@ def floor_host(n, conn, cpus):
     read = time.monotonic()
     for identity in identities:
         sock.send(identity, zmq.SNDMORE)
-        sock.send(assign[0], zmq.SNDMORE)
-        sock.send(assign[1])
+        sock.send(frame)
     sent, cpu = time.monotonic(), time.thread_time() - cpu
     conn.recv()  # done
     conn.send((start, [read, sent], cpu, coordinator_cpu(os.getpid(), -1)["zmq_io"] - io_before,
@@ -191,7 +190,7 @@ def decider(n, encode):
             s.last_seen[node(rank + 1)] = now
         coordinator = Coordinator(_Discard(), SECRET, s, "coordinator node lost")
         if not encode:
-            coordinator._codec.sign = lambda head, kind, own, values, seq: [b"", b""]
+            coordinator._codec.sign = lambda head, kind, own, values, seq: [b""]
         start = time.perf_counter()
         for i, join in enumerate(joins, 1):
             coordinator._handle(b"%d" % i, join, now)
@@ -254,18 +253,23 @@ def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False,
         # milliseconds a call), and each message decoded only after the last arrived: on a
         # cluster every agent receives and decodes its own, here one core would serialize it.
         epoll, index = select.epoll(), {}
+        done = set()  # an assign came (a small job's successor acks the joins it found queued)
+
+        def read(i):
+            while socks[i].getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                frames = socks[i].recv_multipart()
+                arrived.setdefault(i, []).append((time.monotonic(), frames))
+                if ASSIGN in frames[0][:32]:  # its type, near the start: no decoding here
+                    done.add(i)
         for i, sock in socks.items():
             index[sock.getsockopt(zmq.FD)] = i
             epoll.register(sock.getsockopt(zmq.FD), select.EPOLLIN)
-        done = set()  # an assign came (a small job's successor acks the joins it found queued)
+            # ZeroMQ's fd is edge-triggered: what arrived since the join was sent may never
+            # make it readable again, so each socket is read once before the first wait.
+            read(i)
         while len(done) < len(ids) and time.monotonic() < t0 + 120:
             for fd, _ in epoll.poll(0.1):
-                i = index[fd]
-                while socks[i].getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    frames = socks[i].recv_multipart()
-                    arrived.setdefault(i, []).append((time.monotonic(), frames))
-                    if ASSIGN in frames[0][:32]:  # its type, near the start: no decoding here
-                        done.add(i)
+                read(index[fd])
         assigned = {i: next(t for t, frames in got if isinstance(codecs[i].decode(frames).body, Assign))
                     for i, got in arrived.items()}
         conn.send((sent_at, min(assigned.values()), max(assigned.values()), len(assigned)))
