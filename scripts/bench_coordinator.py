@@ -264,8 +264,8 @@ def swarm(ids, n, port, takeover, window, conn, cpus, connect_at_takeover=False,
         for i, sock in socks.items():
             index[sock.getsockopt(zmq.FD)] = i
             epoll.register(sock.getsockopt(zmq.FD), select.EPOLLIN)
-            # ZeroMQ's fd is edge-triggered: what arrived since the join was sent may never
-            # make it readable again, so each socket is read once before the first wait.
+            # ZeroMQ's fd signals only a reader that found its pipe empty: what arrived before
+            # a socket's first read never makes it readable, so each is read once first.
             read(i)
         while len(done) < len(ids) and time.monotonic() < t0 + 120:
             for fd, _ in epoll.poll(0.1):
